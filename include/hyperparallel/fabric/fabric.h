@@ -1,0 +1,145 @@
+// The fabric: one node's memory as one address space.
+//
+// Every local rank of a job maps the same POSIX shared-memory segments, so a
+// buffer allocated here is readable and writable by all ranks on the node.
+// Cross-rank signalling uses per-rank counters in shared memory and futex
+// waits; a waiter never sleeps-and-polls on the hot path, and it watches its
+// peers while it waits, so a rank that dies or freezes turns into an error on
+// every other rank instead of a hang.
+//
+// This layer knows nothing of torch. Everything that needs to know where
+// memory lives asks it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hyperparallel/fabric/bootstrap.h"
+#include "hyperparallel/fabric/segment.h"
+#include "hyperparallel/fabric/topology.h"
+
+namespace hp::fabric {
+
+// Largest number of ranks one node may hold.
+inline constexpr int kMaxLocalRanks = 64;
+
+// Tunables; defaults come from HP_* environment variables (docs/env.md).
+struct Options {
+  // A peer whose heartbeat is older than this is declared unresponsive
+  // (HP_HEARTBEAT_TIMEOUT, seconds).
+  std::chrono::milliseconds heartbeat_timeout{10000};
+  // A wait that outlasts this while every peer is alive is declared a
+  // deadlock (HP_TIMEOUT, seconds).
+  std::chrono::milliseconds timeout{600000};
+  // Number of signalling channels (HP_CHANNELS).
+  int channels = 4096;
+  static Options from_env();
+};
+
+class Fabric;
+
+// A channel is one monotonically increasing counter per local rank. A rank
+// posts a value on its own counter; others wait until one or all counters
+// reach a value. Channels are handed out in call order, so ranks that create
+// them in the same order agree on which is which.
+class Channel {
+ public:
+  Channel() = default;
+  // Sets this rank's counter to `value` and wakes waiters.
+  void post(uint64_t value) const;
+  // This rank's current counter.
+  uint64_t posted() const;
+  // Blocks until every local rank's counter is >= value. `what` names the
+  // operation in error messages.
+  void wait_all(uint64_t value, const char* what) const;
+  // Blocks until local rank `peer`'s counter is >= value.
+  void wait(int peer, uint64_t value, const char* what) const;
+  int index() const { return index_; }
+
+ private:
+  friend class Fabric;
+  Channel(Fabric* fabric, int index) : fabric_(fabric), index_(index) {}
+  Fabric* fabric_ = nullptr;
+  int index_ = -1;
+};
+
+// Raised on every rank when a peer died, froze, or a wait timed out. The
+// fabric is unusable afterwards.
+class FabricError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Fabric {
+ public:
+  // Collective over the node's local ranks: local rank 0 creates the control
+  // segment and publishes its name through `bootstrap`; the others map it.
+  Fabric(const Topology& topology, Bootstrap& bootstrap, Options options = Options::from_env());
+  ~Fabric();
+  Fabric(const Fabric&) = delete;
+  Fabric& operator=(const Fabric&) = delete;
+
+  const Topology& topology() const { return topology_; }
+  int local_rank() const { return topology_.local_rank; }
+  int local_world() const { return topology_.local_world_size; }
+
+  // Collective over local ranks: a new segment of `bytes` mapped by all of
+  // them. Its name is unlinked as soon as every rank has mapped it, so nothing
+  // stays in /dev/shm even if the job is killed.
+  std::shared_ptr<Segment> allocate(std::size_t bytes);
+
+  // A fresh channel; collective in the sense that every rank must create its
+  // channels in the same order.
+  Channel channel();
+
+  // Collective over local ranks.
+  void barrier();
+
+  // Marks the fabric failed with `reason` (the first reason wins), wakes every
+  // waiter on every rank so that they raise FabricError naming it, and raises
+  // it here too.
+  [[noreturn]] void abort(const std::string& reason);
+  bool aborted() const;
+
+  // Global rank of local rank `local`.
+  int global_rank_of(int local) const;
+
+ private:
+  friend class Channel;
+  struct Control;
+  Control* control() const;
+  std::atomic<uint64_t>& counter(int channel, int local) const;
+  void post(int channel, uint64_t value);
+  void wait(int channel, int first, int last, uint64_t value, const char* what);
+  // Called between futex waits: raises if a peer in [first, last) that has not
+  // reached `value` is dead or frozen, or if the wait timed out.
+  void check_peers(int channel, int first, int last, uint64_t value, const char* what,
+                   std::chrono::steady_clock::time_point started);
+  // Raises FabricError with the recorded abort reason.
+  [[noreturn]] void fail();
+  void heartbeat_loop();
+
+  Topology topology_;
+  Options options_;
+  std::shared_ptr<Segment> control_;
+  Channel barrier_channel_;
+  Channel alloc_channel_;
+  uint64_t barrier_epoch_ = 0;
+  uint64_t alloc_seq_ = 0;
+  int next_channel_ = 0;
+  std::string name_prefix_;
+  std::mutex heartbeat_mutex_;
+  std::condition_variable heartbeat_wake_;
+  bool stop_heartbeat_ = false;
+  std::thread heartbeat_;
+};
+
+}  // namespace hp::fabric

@@ -1,0 +1,158 @@
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "hyperparallel/fabric/fabric.h"
+#include "ranks.h"
+
+using namespace hp;
+using hp::testing::check;
+using hp::testing::leftover_segments;
+using hp::testing::run_ranks;
+
+TEST(Topology, RejectsInconsistentLaunchesWithTheFix) {
+  EXPECT_NO_THROW(fabric::Topology::make(3, 4, 1, 2, 1));
+  try {
+    fabric::Topology::make(0, 5, 0, 2, 0);
+    FAIL() << "expected a throw";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("not a multiple of LOCAL_WORLD_SIZE"), std::string::npos);
+  }
+  EXPECT_THROW(fabric::Topology::make(4, 4, 0, 2, 0), std::invalid_argument);
+  EXPECT_THROW(fabric::Topology::make(1, 4, 0, 2, 0), std::invalid_argument);  // not contiguous
+}
+
+TEST(Fabric, SegmentsAreSharedAndLeaveNothingInDevShm) {
+  auto exits = run_ranks(4, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    auto segment = fab->allocate(4096 * 3 + 5);
+    check(segment->size() >= 4096 * 3 + 5, "segment size");
+    fab->barrier();  // local rank 0 unlinks once all have mapped: after this barrier
+    check(leftover_segments().empty(), "names unlinked once every rank mapped them");
+    auto* words = static_cast<std::atomic<int>*>(segment->data());
+    words[rank].store(rank + 100);
+    fab->barrier();
+    for (int peer = 0; peer < 4; ++peer) check(words[peer].load() == peer + 100, "peer's write visible");
+    // Many rounds of barriers keep ranks in lock step.
+    for (int round = 0; round < 200; ++round) {
+      words[4 + rank].store(round);
+      fab->barrier();
+      for (int peer = 0; peer < 4; ++peer) check(words[4 + peer].load() == round, "lock step");
+      fab->barrier();
+    }
+  });
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+  EXPECT_TRUE(leftover_segments().empty());
+}
+
+TEST(Fabric, ChannelsSignalOnePeerOrAll) {
+  auto exits = run_ranks(3, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    auto segment = fab->allocate(64);
+    auto channel = fab->channel();
+    auto* value = static_cast<std::atomic<int>*>(segment->data());
+    for (uint64_t step = 1; step <= 50; ++step) {
+      if (rank == 0) {
+        value->store(int(step));
+        channel.post(step);
+      } else {
+        channel.wait(0, step, "test");
+        check(value->load() >= int(step), "rank 0's write is visible after its post");
+        channel.post(step);
+      }
+      channel.wait_all(step, "test");
+    }
+  });
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+}
+
+TEST(Fabric, SweepRemovesSegmentsOfDeadJobsOnly) {
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  waitpid(child, nullptr, 0);  // `child` is now a pid nobody uses
+  std::string dead = "/hp-" + std::to_string(getuid()) + "-" + std::to_string(child) + "-cafe-0-ctl";
+  std::string alive = "/hp-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-cafe-0-ctl";
+  // What a killed job leaves: names nobody will unlink.
+  for (const std::string& name : {dead, alive}) close(shm_open(name.c_str(), O_CREAT | O_RDWR, 0600));
+  EXPECT_EQ(fabric::sweep_stale_segments(), 1);
+  auto left = leftover_segments();
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ("/" + left[0], alive);
+  shm_unlink(alive.c_str());
+}
+
+TEST(Fabric, AKilledPeerBecomesAnErrorNamingIt) {
+  auto exits = run_ranks(3, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    fab->barrier();
+    if (rank == 2) raise(SIGKILL);
+    try {
+      fab->barrier();
+    } catch (const fabric::FabricError& error) {
+      std::string message = error.what();
+      check(message.find("rank 2") != std::string::npos, "names the rank: " + message);
+      check(message.find("died") != std::string::npos, "says it died: " + message);
+      return;
+    }
+    check(false, "barrier with a dead peer returned");
+  });
+  EXPECT_EQ(exits[0].status, 0) << exits[0].error;
+  EXPECT_EQ(exits[1].status, 0) << exits[1].error;
+  EXPECT_EQ(exits[2].status, -SIGKILL);
+  EXPECT_TRUE(leftover_segments().empty());
+}
+
+TEST(Fabric, AFrozenPeerBecomesAnErrorNamingIt) {
+  fabric::Options options;
+  options.heartbeat_timeout = std::chrono::milliseconds(1000);
+  auto exits = run_ranks(2, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    fab->barrier();
+    if (rank == 1) raise(SIGSTOP);
+    try {
+      fab->barrier();
+    } catch (const fabric::FabricError& error) {
+      std::string message = error.what();
+      auto at = message.find("pid ");
+      kill(std::atoi(message.c_str() + at + 4), SIGKILL);  // end the frozen rank
+      check(message.find("rank 1") != std::string::npos && message.find("stopped answering") != std::string::npos,
+            "names the frozen rank: " + message);
+      return;
+    }
+  }, options);
+  EXPECT_EQ(exits[0].status, 0) << exits[0].error;
+  EXPECT_EQ(exits[1].status, -SIGKILL);
+}
+
+TEST(Fabric, ALivePeerThatNeverArrivesTimesOutOnBothSides) {
+  fabric::Options options;
+  options.timeout = std::chrono::milliseconds(1000);
+  auto exits = run_ranks(2, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    try {
+      fab->barrier();
+    } catch (const fabric::FabricError& error) {
+      std::string message = error.what();
+      check(message.find("never arrived") != std::string::npos && message.find("rank 1") != std::string::npos,
+            message);
+      return;
+    }
+    check(false, "barrier returned");
+  }, options);
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+}
+
+TEST(Fabric, MismatchedAllocationsAreRefused) {
+  auto exits = run_ranks(2, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    try {
+      fab->allocate(rank == 0 ? 4096 : 8192);
+    } catch (const fabric::FabricError& error) {
+      check(std::string(error.what()).find("same allocations in the same order") != std::string::npos, error.what());
+      return;
+    }
+    check(false, "mismatch accepted");
+  });
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+  EXPECT_TRUE(leftover_segments().empty());
+}
