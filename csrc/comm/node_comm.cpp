@@ -72,11 +72,15 @@ Window& NodeComm::scratch(Window& window, bool per_rank, std::size_t bytes) {
 }
 
 void NodeComm::reduce_rows(const Window& window, Range range, DType dtype, float scale, void* out) {
+  reduce_rows(window, range, dtype, scale, out, dtype);
+}
+
+void NodeComm::reduce_rows(const Window& window, Range range, DType dtype, float scale, void* out, DType out_dtype) {
   if (range.size() == 0) return;
   const std::size_t esize = dtype_size(dtype);
   std::vector<const void*> srcs(window.slots_);
   for (int s = 0; s < window.slots_; ++s) srcs[s] = static_cast<const char*>(window.slot(s)) + range.begin * esize;
-  reduce(out, srcs.data(), window.slots_, range.size(), dtype, scale);
+  reduce(out, out_dtype, srcs.data(), window.slots_, range.size(), dtype, scale);
   stats_.bytes_reduced += uint64_t(window.slots_) * range.size() * esize;
 }
 

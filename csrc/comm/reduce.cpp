@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 namespace hp::comm {
 namespace {
@@ -53,8 +54,9 @@ void reduce_f32(float* out, const float* const* srcs, int count, std::size_t n, 
   }
 }
 
-HP_VECTOR_CLONES
-void reduce_bf16(uint16_t* out, const uint16_t* const* srcs, int count, std::size_t n, float scale) {
+// Out is uint16_t (bf16, rounded) or float (the fp32 sum itself).
+template <typename Out>
+HP_VECTOR_CLONES void reduce_bf16(Out* out, const uint16_t* const* srcs, int count, std::size_t n, float scale) {
   float acc[kBlock];
   for (std::size_t base = 0; base < n; base += kBlock) {
     const std::size_t len = std::min(kBlock, n - base);
@@ -64,8 +66,12 @@ void reduce_bf16(uint16_t* out, const uint16_t* const* srcs, int count, std::siz
       const uint16_t* src = srcs[s] + base;
       for (std::size_t i = 0; i < len; ++i) acc[i] += bf16_to_float(src[i]);
     }
-    uint16_t* dst = out + base;
-    for (std::size_t i = 0; i < len; ++i) dst[i] = float_to_bf16(acc[i] * scale);
+    Out* dst = out + base;
+    if constexpr (std::is_same_v<Out, float>) {
+      for (std::size_t i = 0; i < len; ++i) dst[i] = acc[i] * scale;
+    } else {
+      for (std::size_t i = 0; i < len; ++i) dst[i] = float_to_bf16(acc[i] * scale);
+    }
   }
 }
 
@@ -82,12 +88,23 @@ Range chunk(std::size_t rows, int parts, int index) {
   return range;
 }
 
-void reduce(void* out, const void* const* srcs, int count, std::size_t n, DType dtype, float scale) {
+void reduce(void* out, DType out_dtype, const void* const* srcs, int count, std::size_t n, DType dtype,
+            float scale) {
   if (count < 1) throw std::invalid_argument("reduce: needs at least one source");
-  if (dtype == DType::F32)
+  if (dtype == DType::F32) {
+    if (out_dtype != DType::F32) throw std::invalid_argument("reduce: fp32 sources need an fp32 output");
     reduce_f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(srcs), count, n, scale);
+    return;
+  }
+  auto* bf16_srcs = reinterpret_cast<const uint16_t* const*>(srcs);
+  if (out_dtype == DType::F32)
+    reduce_bf16(static_cast<float*>(out), bf16_srcs, count, n, scale);
   else
-    reduce_bf16(static_cast<uint16_t*>(out), reinterpret_cast<const uint16_t* const*>(srcs), count, n, scale);
+    reduce_bf16(static_cast<uint16_t*>(out), bf16_srcs, count, n, scale);
+}
+
+void reduce(void* out, const void* const* srcs, int count, std::size_t n, DType dtype, float scale) {
+  reduce(out, dtype, srcs, count, n, dtype, scale);
 }
 
 }  // namespace hp::comm

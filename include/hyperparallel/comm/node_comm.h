@@ -97,8 +97,10 @@ class NodeComm {
   // slot) until it publishes.
   Window& scratch_inputs(std::size_t bytes) { return scratch(inputs_, true, bytes); }
   Window& scratch_results(std::size_t bytes) { return scratch(results_, false, bytes); }
-  // out = scale * sum over all slots of elements [range) of `window`.
+  // out = scale * sum over all slots of elements [range) of `window`, stored
+  // as `out_dtype` (default: dtype).
   void reduce_rows(const Window& window, Range range, DType dtype, float scale, void* out);
+  void reduce_rows(const Window& window, Range range, DType dtype, float scale, void* out, DType out_dtype);
   // memcpy that counts its bytes in stats().
   void copy(void* dst, const void* src, std::size_t bytes);
 

@@ -1,0 +1,150 @@
+"""Collectives on the node's shared-memory fabric, with c10d across nodes.
+
+Inside a node, ranks share memory: a tensor from :func:`shared_empty` exists
+once per node, and :func:`all_gather_shared` on it copies nothing (every rank
+writes its own rows in place, the call waits until all rows are there). A
+gradient written into :func:`symmetric_empty` is reduce-scattered in one pass.
+The copying functions (:func:`all_reduce`, :func:`all_gather_into_tensor`, ...)
+take ordinary tensors, like their ``torch.distributed`` namesakes. Rows are
+split over ranks with ``torch.chunk`` semantics on dim 0, as FSDP2 shards.
+
+Example (run under ``torchrun --nproc-per-node 2``)::
+
+    import torch, hyperparallel as hp
+    hp.comm.init()
+    full = hp.comm.shared_empty((10, 4))          # same memory on every rank
+    mine = hp.comm.local_rows(full)               # this rank's rows, a view
+    mine.fill_(hp.comm.rank())
+    hp.comm.all_gather_shared(full)               # a wait: nothing is copied
+    t = torch.ones(3)
+    hp.comm.all_reduce(t)                         # t == world size everywhere
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from hyperparallel import _C
+
+Op = Literal["sum", "avg"]
+_OPS = {"sum": _C.ReduceOp.SUM, "avg": _C.ReduceOp.AVG}
+_communicator: _C.Communicator | None = None
+
+
+def init() -> _C.Communicator:
+    """Start the fabric for this process (idempotent) and return it.
+
+    Uses torch.distributed's default process group, starting one with Gloo from
+    torchrun's environment if none exists (a lone process without torchrun gets
+    a one-rank job). Across nodes, one c10d group per local rank links each
+    rank with its counterparts.
+    """
+    global _communicator
+    if _communicator is not None:
+        return _communicator
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    topology = _C.Topology.from_env()
+    if topology.world_size != dist.get_world_size() or topology.rank != dist.get_rank():
+        raise RuntimeError(
+            f"hyperparallel: the environment says {topology} but torch.distributed has rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}; launch with torchrun so both agree"
+        )
+    cross_node = None
+    per_node = topology.local_world_size
+    for local in range(per_node):  # every rank creates every group, in the same order
+        group = dist.new_group([node * per_node + local for node in range(topology.num_nodes)], backend="gloo")
+        if local == topology.local_rank and topology.num_nodes > 1:
+            cross_node = group
+    store = dist.distributed_c10d._get_default_store()
+    _communicator = _C.Communicator(topology, store, cross_node)
+    return _communicator
+
+
+def get() -> _C.Communicator:
+    """The communicator :func:`init` made; raises if it has not run."""
+    if _communicator is None:
+        raise RuntimeError("hyperparallel.comm: call hp.comm.init() first")
+    return _communicator
+
+
+def rank() -> int:
+    return get().topology.rank
+
+
+def world_size() -> int:
+    return get().topology.world_size
+
+
+def barrier() -> None:
+    get().barrier()
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
+    """In place: every rank gets ``src``'s tensor."""
+    get().broadcast(tensor, src)
+
+
+def all_reduce(tensor: torch.Tensor, op: Op = "sum") -> None:
+    """In place sum (or average) over all ranks."""
+    get().all_reduce(tensor, _OPS[op])
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``output`` (the full tensor) from every rank's ``input`` (its torch.chunk rows)."""
+    get().all_gather(output, input)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Op = "sum") -> None:
+    """``output`` = this rank's torch.chunk rows of the sum of every rank's ``input``."""
+    get().reduce_scatter(output, input, _OPS[op])
+
+
+def shared_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor that exists once per node; collective over the node's ranks."""
+    return get().shared_empty(list(shape), dtype)
+
+
+def symmetric_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This rank's tensor in a window where every rank of the node has one; collective."""
+    return get().symmetric_empty(list(shape), dtype)
+
+
+def local_rows(full: torch.Tensor) -> torch.Tensor:
+    """This rank's torch.chunk rows of ``full`` (a view)."""
+    topology = get().topology
+    rows = full.shape[0]
+    per = -(-rows // topology.world_size)
+    begin = min(rows, per * topology.rank)
+    return full.narrow(0, begin, min(rows, begin + per) - begin)
+
+
+def acquire(tensor: torch.Tensor) -> None:
+    """Wait until every rank is done reading ``tensor``'s last round before writing it again."""
+    get().acquire(tensor)
+
+
+def all_gather_shared(full: torch.Tensor) -> None:
+    """Zero-copy all-gather of a :func:`shared_empty` tensor whose rows each rank wrote."""
+    get().all_gather_shared(full)
+
+
+def reduce_scatter_symmetric(output: torch.Tensor, input: torch.Tensor, op: Op = "sum") -> None:
+    """One-pass reduce-scatter of every rank's :func:`symmetric_empty` ``input``."""
+    get().reduce_scatter_symmetric(output, input, _OPS[op])
+
+
+def stats() -> dict[str, int]:
+    """Bytes this rank copied (memcpy) and read while reducing, since the last reset."""
+    return get().stats()
+
+
+def reset_stats() -> None:
+    get().reset_stats()

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up (see setup.sh), then runs every test: GoogleTest through ctest, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+ctest --test-dir build/cpp --output-on-failure
+.venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,81 @@
+"""A rank killed or frozen mid-collective becomes a clear error on every other rank, not a hang."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hyperparallel.launch import free_port
+
+# Each rank loops over collectives until it is told to stop or its peer fails.
+RANK_PROGRAM = """
+import sys, torch, hyperparallel as hp
+torch.set_num_threads(1)
+hp.comm.init()
+x = torch.ones(1 << 20)
+print("looping", flush=True)
+while True:
+    hp.comm.all_reduce(x, op="avg")
+    hp.comm.reduce_scatter_tensor(torch.empty_like(hp.comm.local_rows(x)), x)
+"""
+
+
+def _leftovers() -> list[str]:
+    prefix = f"hp-{os.getuid()}-"
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+def _start(world: int, heartbeat_timeout: float) -> list[subprocess.Popen]:
+    port = free_port()
+    ranks = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   HP_HEARTBEAT_TIMEOUT=str(heartbeat_timeout))
+        ranks.append(subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for process in ranks:
+        assert process.stdout.readline().strip() == "looping"
+    time.sleep(0.5)  # well inside the loop: the victim dies mid-collective
+    return ranks
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_failed_rank_is_named_within_30s_and_dev_shm_is_clean(how):
+    world, victim = 3, 1
+    ranks = _start(world, heartbeat_timeout=5.0)
+    started = time.monotonic()
+    os.kill(ranks[victim].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    try:
+        for rank, process in enumerate(ranks):
+            if rank == victim:
+                continue
+            _, stderr = process.communicate(timeout=30)
+            assert time.monotonic() - started < 30
+            assert process.returncode != 0
+            assert "FabricError" in stderr
+            expected = "died" if how == "killed" else "stopped answering"
+            assert f"rank {victim} (local rank {victim}, pid {ranks[victim].pid}) {expected}" in stderr, stderr
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    assert _leftovers() == []
+
+
+def test_next_job_sweeps_what_a_killed_job_left():
+    """A job killed while handing out a segment leaves its name; the next job removes it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = f"/dev/shm/hp-{os.getuid()}-{child.pid}-deadbeef-0-3"
+    with open(stale, "wb") as file:
+        file.write(b"x" * 4096)
+    ranks = _start(2, heartbeat_timeout=5.0)
+    for process in ranks:
+        process.kill()
+        process.wait()
+    assert not os.path.exists(stale)
+    assert _leftovers() == []
