@@ -1,17 +1,17 @@
-// pybind11 bindings of hyperparallel._C. Bindings only: the logic lives in
-// csrc/<layer>.
-#include <torch/csrc/utils/pybind.h>
+// Bindings of the fabric and the communicator. Bindings only: the logic lives
+// in csrc/fabric and csrc/comm.
 #include <torch/extension.h>
 
 #include "hyperparallel/comm/communicator.h"
 #include "hyperparallel/fabric/fabric.h"
+#include "module.h"
 
 namespace py = pybind11;
 using namespace hp;
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "hyperparallel's C++ core";
+namespace {
 
+void bind_comm(py::module_& m) {
   // Peer failures surface as hyperparallel.FabricError (a RuntimeError).
   static py::exception<fabric::FabricError> fabric_error(m, "FabricError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr error) {
@@ -60,3 +60,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("reset_stats", &Communicator::reset_stats);
 }
+
+hp::python::Registrar registrar("comm", &bind_comm);
+
+}  // namespace
