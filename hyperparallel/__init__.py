@@ -8,7 +8,8 @@ Example::
     hp.comm.all_reduce(t)
 """
 
-from hyperparallel import comm
+from hyperparallel import comm, fsdp
 from hyperparallel._C import FabricError
+from hyperparallel.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["FabricError", "comm"]
+__all__ = ["FSDPModule", "FabricError", "MixedPrecisionPolicy", "OffloadPolicy", "comm", "fsdp", "fully_shard"]

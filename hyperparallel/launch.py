@@ -21,6 +21,7 @@ machines.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import socket
 import uuid
 from collections.abc import Callable
@@ -54,9 +55,11 @@ def _config(nproc: int, nnodes: int, node_rank: int, port: int, run_id: str) -> 
 def _node_agent(fn, args, nproc, nnodes, node_rank, port, run_id, queue) -> None:
     try:
         results = elastic_launch(_config(nproc, nnodes, node_rank, port, run_id), fn)(*args)
-        queue.put((node_rank, dict(results), None))  # keyed by global rank
+        # Plain pickle: tensors travel by value, not as shared-memory handles
+        # that die with this agent.
+        queue.put((node_rank, pickle.dumps(dict(results)), None))  # keyed by global rank
     except BaseException as error:  # noqa: BLE001 -- reported to the caller, who raises
-        queue.put((node_rank, {}, repr(error)))
+        queue.put((node_rank, pickle.dumps({}), repr(error)))
 
 
 def run(fn: Callable[..., Any], nproc: int, args: tuple = (), nnodes: int = 1) -> dict[int, Any]:
@@ -80,7 +83,7 @@ def run(fn: Callable[..., Any], nproc: int, args: tuple = (), nnodes: int = 1) -
     errors = []
     for _ in agents:
         node, values, error = queue.get()
-        results.update(values)
+        results.update(pickle.loads(values))
         if error:
             errors.append(f"node {node}: {error}")
     for agent in agents:

@@ -42,9 +42,17 @@ void NodeComm::acquire(Window& window) {
 }
 
 void NodeComm::publish(Window& window) {
+  post(window);
+  wait(window);
+}
+
+void NodeComm::post(Window& window) {
   ++window.round_;
   window.released_ = false;
   window.channel_.post(2 * window.round_ - 1);
+}
+
+void NodeComm::wait(Window& window) {
   window.channel_.wait_all(2 * window.round_ - 1, "publish (waiting for peers' writes)");
 }
 

@@ -37,7 +37,7 @@ void bind_comm(py::module_& m) {
   m.def("sweep_stale_segments", &fabric::sweep_stale_segments);
 
   using comm::Communicator;
-  py::class_<Communicator>(m, "Communicator")
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init<fabric::Topology, c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::ProcessGroup>>(),
            py::arg("topology"), py::arg("store"), py::arg("cross_node") = nullptr,
            py::call_guard<py::gil_scoped_release>())

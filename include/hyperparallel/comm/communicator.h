@@ -64,7 +64,7 @@ class Communicator {
   // rows of the reduction go to `out`.
   void reduce_scatter_symmetric(at::Tensor& out, const at::Tensor& in, ReduceOp op);
 
-  const Stats& stats() const { return node_.stats(); }
+  Stats stats() const { return node_.stats(); }
   void reset_stats() { node_.reset_stats(); }
 
  private:

@@ -11,6 +11,7 @@
 // calls in the same order with the same sizes.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -53,6 +54,12 @@ struct Stats {
   uint64_t bytes_reduced = 0;
 };
 
+// Stats updated from several threads (a reducer thread and the main one).
+struct AtomicStats {
+  std::atomic<uint64_t> bytes_copied{0};
+  std::atomic<uint64_t> bytes_reduced{0};
+};
+
 class NodeComm {
  public:
   explicit NodeComm(std::shared_ptr<fabric::Fabric> fabric);
@@ -70,7 +77,10 @@ class NodeComm {
   // this rank may write into it. Marks this rank done reading.
   void acquire(Window& window);
   // Ends a round of writes: returns when every rank has published it.
+  // post() + wait(): post early and wait late to overlap.
   void publish(Window& window);
+  void post(Window& window);
+  void wait(Window& window);
   // Marks this rank done reading the last round without waiting.
   void release(Window& window);
 
@@ -104,8 +114,11 @@ class NodeComm {
   // memcpy that counts its bytes in stats().
   void copy(void* dst, const void* src, std::size_t bytes);
 
-  const Stats& stats() const { return stats_; }
-  void reset_stats() { stats_ = Stats{}; }
+  Stats stats() const { return Stats{stats_.bytes_copied.load(), stats_.bytes_reduced.load()}; }
+  void reset_stats() {
+    stats_.bytes_copied = 0;
+    stats_.bytes_reduced = 0;
+  }
 
  private:
   // Grows a scratch window (collectively) to hold `bytes` per slot, and
@@ -116,7 +129,7 @@ class NodeComm {
   std::shared_ptr<fabric::Fabric> fabric_;
   Window inputs_;   // symmetric scratch: each rank's copy-in
   Window results_;  // shared scratch: reduced or gathered rows
-  Stats stats_;
+  AtomicStats stats_;
 };
 
 }  // namespace hp::comm

@@ -1,0 +1,7 @@
+"""FSDP on the node's shared-memory fabric: ``hp.fully_shard`` (see docs/fsdp.md)."""
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from hyperparallel.fsdp._fully_shard import FSDPModule, fully_shard
+
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard"]

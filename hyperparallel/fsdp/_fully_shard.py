@@ -1,0 +1,258 @@
+"""``hp.fully_shard``: FSDP2's interface over the node's shared-memory fabric."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Replicate, Shard
+
+from hyperparallel import _C
+from hyperparallel import comm as hp_comm
+from hyperparallel.fsdp._state import GroupState, RootState
+
+# torch's defaults, as module-level singletons (one object shared by all calls).
+_DEFAULT_MP_POLICY = MixedPrecisionPolicy()
+_DEFAULT_OFFLOAD_POLICY = OffloadPolicy()
+
+# One reducer thread and one ring of gradient windows per process, shared by all groups.
+_reducer: _C.Reducer | None = None
+_grad_windows: _C.GradWindows | None = None
+
+
+class FSDPModule:
+    """Methods a module gains from :func:`fully_shard` (those of torch's ``FSDPModule``)."""
+
+    _hp_state: GroupState
+
+    def unshard(self, async_op: bool = False):
+        """Make the full parameters this module's parameters (a wait: nothing is copied)."""
+        self._hp_state.cgroup.begin_unshard()
+        if async_op:
+            return _UnshardHandle(self._hp_state)
+        self._hp_state.unshard()
+        return None
+
+    def reshard(self) -> None:
+        """Register the sharded (DTensor) parameters again."""
+        self._hp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates full gradients locally without reducing (gradient accumulation)."""
+        for state in _states(self, recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for state in _states(self, recurse):
+            state.reshard_after_forward = bool(reshard_after_forward)
+            state.auto_reshard = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for state in _states(self, recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Accepted for compatibility. Every group's rows are posted when the root's forward
+        starts, so each unshard is already a wait on data that is there: nothing to prefetch."""
+        _check_fsdp_modules(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Accepted for compatibility: the full parameters stay in shared memory through
+        backward, so backward never all-gathers."""
+        _check_fsdp_modules(modules)
+
+
+class _UnshardHandle:
+    def __init__(self, state: GroupState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.unshard()
+
+
+def _states(module: nn.Module, recurse: bool) -> list[GroupState]:
+    modules = module.modules() if recurse else [module]
+    return [m._hp_state for m in modules if isinstance(m, FSDPModule)]
+
+
+def _check_fsdp_modules(modules: list) -> None:
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(f"expected modules sharded with hp.fully_shard, got {type(module).__name__}")
+
+
+def _default_mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _validate_mesh(mesh: DeviceMesh, topology) -> dist.ProcessGroup | None:
+    """Returns the replicate group for HSDP, None for plain FSDP; raises for layouts we don't shard."""
+    world, per_node, nodes = topology.world_size, topology.local_world_size, topology.num_nodes
+    if mesh.device_type != "cpu":
+        raise ValueError(f"hp.fully_shard: mesh on {mesh.device_type!r}; this build shards CPU tensors")
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != list(range(world)):
+        raise ValueError(
+            f"hp.fully_shard: the mesh holds ranks {ranks} but the job has {world} ranks (0..{world - 1}); "
+            "build it with init_device_mesh over the whole world"
+        )
+    if mesh.ndim == 1:
+        if nodes > 1:
+            raise ValueError(
+                f"hp.fully_shard: a 1-D mesh over {nodes} nodes; hyperparallel shards within a node and "
+                f"replicates across nodes: use a 2-D mesh, init_device_mesh('cpu', ({nodes}, {per_node}), "
+                "mesh_dim_names=('replicate', 'shard'))"
+            )
+        return None
+    if mesh.ndim == 2 and tuple(mesh.mesh.shape) == (nodes, per_node):
+        return mesh.get_group(0) if nodes > 1 else None
+    raise ValueError(
+        f"hp.fully_shard: mesh of shape {tuple(mesh.mesh.shape)}; expected ({world},) or (nodes, ranks per node) = "
+        f"({nodes}, {per_node}) for HSDP"
+    )
+
+
+def _managed_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Parameter]:
+    """module's parameters, without duplicates, those of nested fully_shard calls and ignored ones."""
+    taken = {id(p) for p in ignored}
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            taken.update(id(ref.sharded) for ref in sub._hp_state.refs)
+    params, seen = [], set()
+    for param in module.parameters():
+        if id(param) not in taken and id(param) not in seen:
+            seen.add(id(param))
+            params.append(param)
+    return params
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = _DEFAULT_MP_POLICY,
+    offload_policy: OffloadPolicy = _DEFAULT_OFFLOAD_POLICY,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
+):
+    """Shard ``module``'s parameters over the data-parallel ranks, FSDP2-style, in shared memory.
+
+    The arguments, defaults and meaning are those of ``torch.distributed.fsdp.fully_shard``:
+    call it bottom-up (each decoder layer, then the root); each call makes one parameter group.
+    Parameters become ``DTensor``s with ``Shard(0)`` (torch.chunk rows, as FSDP2), whose local
+    tensors are views into the node's shared memory, so torch optimizers, ``clip_grad_norm_``
+    and ``state_dict`` work unchanged. Differences that follow from the shared memory:
+
+    - unsharding is a wait, not an all-gather: the optimizer updated every rank's rows in place;
+    - ``reshard_after_forward`` only chooses which parameters are registered after forward (the
+      full parameters stay in shared memory, once per node); an ``int`` acts as ``True``;
+    - a 1-D mesh must lie within one node; across nodes use a 2-D ``(replicate, shard)`` mesh
+      (HSDP): shards within the node, all-reduce of shards across nodes over c10d;
+    - ``offload_policy`` is accepted; on the CPU there is nothing to offload to.
+
+    Example::
+
+        hp.comm.init()
+        for layer in model.model.layers:
+            hp.fully_shard(layer)
+        hp.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(input_ids, labels=labels).loss.backward()
+        opt.step()
+    """
+    global _reducer, _grad_windows
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("hp.fully_shard: dp_mesh_dims is not supported; pass the data-parallel mesh")
+    modules = list(module) if isinstance(module, list) else [module]
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise TypeError(f"hp.fully_shard: {type(m).__name__} is already sharded by hp.fully_shard")
+        if isinstance(m, TorchFSDPModule):
+            raise TypeError(f"hp.fully_shard: {type(m).__name__} is already sharded by torch's fully_shard")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"hp.fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}")
+    communicator = hp_comm.init()
+    mesh = mesh if mesh is not None else _default_mesh()
+    replicate = _validate_mesh(mesh, communicator.topology)
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+    ignored = set(ignored_params or ())
+    params = []
+    for m in modules:
+        params += [p for p in _managed_params(m, ignored) if all(p is not q for q in params)]
+    if not params:
+        raise ValueError("hp.fully_shard: the module has no parameters left to shard")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"hp.fully_shard: parameters on several devices {devices}; move the module to one first")
+    for param in params:
+        if isinstance(param, torch.distributed.tensor.DTensor):
+            raise TypeError("hp.fully_shard: a parameter is already a DTensor; shard plain parameters")
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise ValueError(f"hp.fully_shard: shard_placement_fn returned {placement}; only Shard(0) is supported")
+
+    if _reducer is None:
+        _reducer = _C.Reducer()
+        _grad_windows = _C.GradWindows(communicator, 2)
+    cgroup = _C.ParamGroup(
+        communicator, _reducer, _grad_windows, [p.detach() for p in params],
+        mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
+    )
+    state = GroupState(modules, params, cgroup, mesh, placements,
+                       None if reshard_after_forward is None else bool(reshard_after_forward), mp_policy)
+    for m in modules:
+        state.find_owners(m, params)
+    state.reshard()  # register the DTensor parameters
+    state.unsharded = False
+    for ref in state.refs:
+        for owner, name in ref.owners:
+            owner._parameters[name] = ref.sharded
+    for m in modules:
+        m._hp_state = state
+        m.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+        m.register_forward_hook(_post_forward)
+        m.__class__ = type(f"HP{type(m).__name__}", (FSDPModule, type(m)), {})
+    return module
+
+
+def _root_of(module: nn.Module) -> RootState:
+    root = getattr(module, "_hp_root", None)
+    if root is None:
+        groups, seen = [], set()
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule) and id(sub._hp_state) not in seen:
+                seen.add(id(sub._hp_state))
+                groups.append(sub._hp_state)
+        own = module._hp_state
+        if own.auto_reshard:
+            own.reshard_after_forward = False  # backward starts with the root's parameters
+        for group in groups:
+            originals = [ref.sharded for ref in group.refs]
+            group.find_owners(module, originals)
+        root = RootState(module, groups)
+        module._hp_root = root
+    return root
+
+
+def _pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+    if RootState.active is None:
+        _root_of(module).pre_forward()
+        module._hp_running_root = True
+    return module._hp_state.pre_forward(args, kwargs)
+
+
+def _post_forward(module: nn.Module, args: tuple, output):
+    output = module._hp_state.post_forward(output)
+    if getattr(module, "_hp_running_root", False):
+        module._hp_running_root = False
+        output = module._hp_root.post_forward(output)
+    return output

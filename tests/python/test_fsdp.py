@@ -1,0 +1,272 @@
+"""hp.fully_shard against torch's FSDP2 and single-process training, on real ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import hyperparallel as hp
+from hyperparallel.launch import run
+
+STEPS, MICRO, SEQ = 20, 2, 12
+
+# Dim 0 of most parameters does not divide 2 or 4 ranks (vocab 101, 3 experts,
+# 16-row k_proj ...), and some are smaller than the world.
+CONFIG = {
+    "vocab_size": 101, "hidden_size": 48, "intermediate_size": 40, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16,
+    "num_experts": 3, "num_experts_per_tok": 2, "max_position_embeddings": 64, "torch_dtype": "float32",
+}
+
+
+def make_model(**overrides) -> nn.Module:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{**CONFIG, **overrides})
+    return Qwen3MoeForCausalLM(config)
+
+
+def batches(world: int, steps: int = STEPS) -> list[torch.Tensor]:
+    """Two random global batches, alternated, so that the loss has something to learn."""
+    generator = torch.Generator().manual_seed(1)
+    pair = [torch.randint(0, CONFIG["vocab_size"], (world * MICRO, SEQ), generator=generator) for _ in range(2)]
+    return [pair[step % 2] for step in range(steps)]
+
+
+def shard(model: nn.Module, how: str, mesh=None, **kwargs) -> nn.Module:
+    apply = hp.fully_shard if how == "hp" else torch_fully_shard
+    for layer in model.model.layers:
+        apply(layer, mesh=mesh, **kwargs)
+    apply(model, mesh=mesh, **kwargs)
+    return model
+
+
+def train(model: nn.Module, data: list[torch.Tensor], rank: int, world: int, accumulate: int = 1) -> list[float]:
+    """AdamW steps; each rank takes its rows of every global batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for batch in data:
+        mine = batch[rank * MICRO : (rank + 1) * MICRO]
+        step_loss = 0.0
+        for index, micro in enumerate(mine.chunk(accumulate)):
+            if accumulate > 1:  # reduce only after the last micro-batch
+                model.set_requires_gradient_sync(index == accumulate - 1)
+            loss = model(micro, labels=micro).loss / accumulate
+            loss.backward()
+            step_loss += loss.item()
+        if world > 1:
+            total = torch.tensor([step_loss])
+            dist.all_reduce(total)
+            step_loss = total.item() / world
+        losses.append(step_loss)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def single_process(steps: int = STEPS, world: int = 2, **overrides):
+    torch.set_num_threads(1)  # as the ranks: matmul blocking, hence rounding, depends on threads
+    model = make_model(**overrides)
+    data = batches(world, steps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for batch in data:
+        # Mean of per-rank means: the same objective the ranks optimise.
+        loss = sum(model(b, labels=b).loss for b in batch.chunk(world)) / world
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, full_params(model)
+
+
+def assert_params_close(got: dict, expected: dict, atol: float) -> None:
+    assert got.keys() == expected.keys()
+    worst = max((got[k] - expected[k]).abs().max().item() for k in got)
+    assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
+
+
+# -- FSDP vs torch FSDP2 vs one process --------------------------------------------------------
+def hp_and_torch(reshard_after_forward) -> dict:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(world)
+    results = {}
+    for how in ("hp", "torch"):
+        model = shard(make_model(), how, reshard_after_forward=reshard_after_forward)
+        results[how] = (train(model, data, rank, world), full_params(model))
+        if how == "hp":
+            assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    return results
+
+
+@pytest.mark.parametrize("nproc,reshard", [(2, None), (4, False)])
+def test_training_matches_torch_fsdp2_and_one_process(nproc, reshard):
+    results = run(hp_and_torch, nproc=nproc, args=(reshard,))
+    expected_losses, expected_params = single_process(world=nproc)
+    for result in results.values():
+        hp_losses, hp_params = result["hp"]
+        torch_losses, torch_params = result["torch"]
+        assert max(abs(a - b) for a, b in zip(hp_losses, torch_losses)) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(hp_losses, expected_losses)) <= 1e-5
+        assert_params_close(hp_params, torch_params, 1e-5)
+        assert_params_close(hp_params, expected_params, 1e-5)
+    assert expected_losses[-1] < expected_losses[0] - 1.0  # it learned
+
+
+def hsdp() -> tuple:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    topology = hp.comm.get().topology
+    mesh = init_device_mesh("cpu", (topology.num_nodes, topology.local_world_size),
+                            mesh_dim_names=("replicate", "shard"))
+    model = shard(make_model(), "hp", mesh=mesh)
+    losses = train(model, batches(4), dist.get_rank(), 4)
+    return losses, full_params(model)
+
+
+def test_hsdp_2x2_equals_fsdp_over_4():
+    results = run(hsdp, nproc=2, nnodes=2)
+    expected_losses, expected_params = single_process(world=4)
+    for losses, params in results.values():
+        assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
+        assert_params_close(params, expected_params, 1e-5)
+
+
+# -- frozen, tied and unused parameters; gradient accumulation ------------------------------------
+class WithExtras(nn.Module):
+    """Tied embeddings, a frozen norm, and a parameter the forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = make_model(tie_word_embeddings=True)
+        self.lm.model.norm.weight.requires_grad_(False)
+        self.unused = nn.Linear(5, 7)
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids, labels=labels)
+
+
+def shard_extras(model: WithExtras, how: str) -> WithExtras:
+    apply = hp.fully_shard if how == "hp" else torch_fully_shard
+    for layer in model.lm.model.layers:
+        apply(layer)
+    apply(model)
+    return model
+
+
+def extras(accumulate: int) -> tuple:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_extras(WithExtras(), "hp")
+    tied = model.lm.lm_head.weight is model.lm.model.embed_tokens.weight
+    losses = train(model, batches(world, 6), rank, world, accumulate=accumulate)
+    return losses, full_params(model), tied, model.unused.weight.grad is None
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_frozen_tied_unused_parameters_and_gradient_accumulation(accumulate):
+    results = run(extras, nproc=2, args=(accumulate,))
+    torch.set_num_threads(1)
+    reference = WithExtras()
+    frozen_before = reference.lm.model.norm.weight.detach().clone()
+    unused_before = reference.unused.weight.detach().clone()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    expected = []
+    for batch in batches(2, 6):
+        loss = sum(reference(b, labels=b).loss for b in batch.chunk(2)) / 2
+        loss.backward()
+        expected.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    for losses, params, tied, unused_has_no_grad in results.values():
+        assert tied and unused_has_no_grad
+        assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5
+        assert_params_close(params, full_params(reference), 1e-5)
+        assert torch.equal(params["lm.model.norm.weight"], frozen_before)
+        assert torch.equal(params["unused.weight"], unused_before)
+
+
+# -- mixed precision -------------------------------------------------------------------------------
+def mixed_precision() -> dict:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for how in ("hp", "torch"):
+        model = shard(make_model(), how, mp_policy=policy)
+        out[how] = train(model, batches(world, 8), rank, world)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    return out
+
+
+def test_bf16_mixed_precision_tracks_torch_fsdp2():
+    results = run(mixed_precision, nproc=2)
+    fp32_losses, _ = single_process(steps=8)
+    for result in results.values():
+        # Both compute in bf16 (8 mantissa bits: ~4e-3 relative per rounding) and reduce in fp32;
+        # they round at different places, so losses agree to bf16 accuracy, not bitwise.
+        assert max(abs(a - b) for a, b in zip(result["hp"], result["torch"])) <= 3e-2
+        assert max(abs(a - b) for a, b in zip(result["hp"], fp32_losses)) <= 5e-2
+        assert result["hp"] != fp32_losses  # it did compute in bf16
+
+
+# -- state dicts ------------------------------------------------------------------------------------
+def state_dict_round_trip() -> bool:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trained = shard(make_model(), "hp")
+    train(trained, batches(world, 2), rank, world)
+    theirs = shard(make_model(num_hidden_layers=2), "torch")
+    theirs.load_state_dict(trained.state_dict())
+    assert_params_close(full_params(theirs), full_params(trained), 0)
+    ours = shard(make_model(), "hp")
+    ours.load_state_dict(theirs.state_dict())
+    assert_params_close(full_params(ours), full_params(trained), 0)
+    # The loaded shards are what the next forward reads.
+    data = batches(world, 1)[0][:MICRO]
+    assert torch.equal(ours(data, labels=data).loss, trained(data, labels=data).loss)
+    return True
+
+
+def test_state_dict_round_trip_with_torch_fsdp2():
+    assert all(run(state_dict_round_trip, nproc=2).values())
+
+
+# -- errors -----------------------------------------------------------------------------------------
+def errors() -> bool:
+    hp.comm.init()
+    model = make_model()
+    hp.fully_shard(model.model.layers[0])
+    with pytest.raises(TypeError, match="already sharded by hp.fully_shard"):
+        hp.fully_shard(model.model.layers[0])
+    with pytest.raises(ValueError, match=r"expected \(2,\) or \(nodes, ranks per node\)"):
+        hp.fully_shard(model.model.layers[1], mesh=init_device_mesh("cpu", (2, 1)))
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        hp.fully_shard(mixed)
+    theirs = make_model()
+    torch_fully_shard(theirs.model.layers[0])
+    with pytest.raises(TypeError, match="already sharded by torch's fully_shard"):
+        hp.fully_shard(theirs.model.layers[0])
+    return True
+
+
+def test_errors_name_the_problem():
+    assert all(run(errors, nproc=2).values())
