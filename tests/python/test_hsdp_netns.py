@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 import torch
-
 from test_fsdp import STEPS, assert_params_close, single_process
 
 needs_netns = pytest.mark.skipif(
