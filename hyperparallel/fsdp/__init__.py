@@ -3,5 +3,8 @@
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from hyperparallel.fsdp._fully_shard import FSDPModule, fully_shard
+from hyperparallel.fsdp._state import comm_wait_seconds
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard"]
+__all__ = [
+    "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "comm_wait_seconds", "fully_shard",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,18 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyperparallel import _C
+
+# Seconds the main thread spent blocked on other ranks (unshard waits, waits for
+# reductions at the end of backward), for benchmarks: see comm_wait_seconds().
+_comm_wait = [0.0]
+
+
+def comm_wait_seconds(reset: bool = False) -> float:
+    """Seconds this rank's main thread has waited on communication (since the last reset)."""
+    seconds = _comm_wait[0]
+    if reset:
+        _comm_wait[0] = 0.0
+    return seconds
 
 
 @dataclass
@@ -99,7 +112,9 @@ class GroupState:
     def unshard(self) -> None:
         if self.unsharded:
             return
+        start = time.perf_counter()
         self.cgroup.wait_unshard()
+        _comm_wait[0] += time.perf_counter() - start
         self._register(unsharded=True)
 
     def reshard(self) -> None:
@@ -159,7 +174,10 @@ class GroupState:
             self.post_backward()
         if self.reduce_pending:
             self.reduce_pending = False
-            for ref, grad in zip(self.refs, self.cgroup.sharded_grads()):
+            start = time.perf_counter()
+            grads = self.cgroup.sharded_grads()
+            _comm_wait[0] += time.perf_counter() - start
+            for ref, grad in zip(self.refs, grads):
                 if grad is None:
                     continue
                 sharded = DTensor.from_local(
