@@ -59,10 +59,11 @@ def init() -> _C.Communicator:
         )
     cross_node = None
     per_node = topology.local_world_size
-    for local in range(per_node):  # every rank creates every group, in the same order
-        group = dist.new_group([node * per_node + local for node in range(topology.num_nodes)], backend="gloo")
-        if local == topology.local_rank and topology.num_nodes > 1:
-            cross_node = group
+    if topology.num_nodes > 1:
+        for local in range(per_node):  # every rank creates every group, in the same order
+            group = dist.new_group([node * per_node + local for node in range(topology.num_nodes)], backend="gloo")
+            if local == topology.local_rank:
+                cross_node = group
     store = dist.distributed_c10d._get_default_store()
     _communicator = _C.Communicator(topology, store, cross_node)
     return _communicator
