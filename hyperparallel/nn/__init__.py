@@ -2,7 +2,8 @@
 
 ``patch(model)`` swaps a model's RMSNorms, attention, MLPs and MoE
 router/experts for C++ kernels (torch custom ops ``torch.ops.hyperparallel.*``
-with C++ autograd) without changing its parameters or state_dict.
+with C++ autograd) without changing its parameters or state_dict;
+``load_pretrained(model, directory)`` loads HF safetensors weights into it.
 
 Example::
 
@@ -18,6 +19,7 @@ Example::
 """
 
 from hyperparallel.nn import modules
+from hyperparallel.nn.load import LoadResult, load_pretrained
 from hyperparallel.nn.patch import patch
 
-__all__ = ["modules", "patch"]
+__all__ = ["LoadResult", "load_pretrained", "modules", "patch"]
