@@ -29,9 +29,9 @@ struct Shape {
   int64_t batch, seq, heads, kv_heads, d, group;
   int64_t cos_batch;   // 1 or batch
   int64_t mask_batch;  // 1 or batch; 0 without a mask
-  // Query rows per block: about 256 rows (queries x group) per GEMM, but
-  // short enough blocks that causality saves most of the upper triangle.
-  int64_t block() const { return std::clamp<int64_t>(256 / group, 16, 64); }
+  // Query positions per block: about 128 GEMM rows (positions x group), and
+  // blocks short enough that causality skips most of the upper triangle.
+  int64_t block() const { return std::clamp<int64_t>(128 / group, 16, 64); }
 };
 
 // Shapes and dtypes; symbolic sizes (torch.compile) are compared through guards.
