@@ -146,6 +146,17 @@ def test_moe_block_matches_hf(experts, top_k, norm, experts_implementation):
     assert_parity(run(block, [x]), run(fused_copy(block), [x]), **ATOL)
 
 
+def test_experts_without_tokens_get_zero_gradients():
+    torch.manual_seed(6)
+    experts = randomize(hf.Qwen3MoeExperts(config(num_experts=6)), seed=6)
+    x = torch.randn(5, 48)
+    index = torch.tensor([[0, 2], [2, 5], [0, 5], [4, 2], [0, 4]])  # experts 1 and 3 get nothing
+    weights = torch.rand(5, 2)
+    reference, fused = run(experts, [x, index, weights]), run(fused_copy(experts), [x, index, weights])
+    assert_parity(reference, fused, **ATOL)
+    assert fused[1]["gate_up_proj"][[1, 3]].abs().max() == 0 and fused[1]["down_proj"][[1, 3]].abs().max() == 0
+
+
 def test_router_outputs_match_hf():
     torch.manual_seed(3)
     router = randomize(hf.Qwen3MoeTopKRouter(config(num_experts=16, num_experts_per_tok=3)), seed=4)
