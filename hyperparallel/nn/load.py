@@ -1,0 +1,190 @@
+"""Load HuggingFace safetensors checkpoints from a local directory into a (patched) model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Checkpoints keep one tensor per expert (transformers' save_pretrained
+# writes them so); 5.x models stack them into gate_up_proj (gate rows first)
+# and down_proj.
+_PER_EXPERT = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+# Config fields that fix parameter shapes: a checkpoint must agree on them.
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "moe_intermediate_size",
+    "tie_word_embeddings",
+)
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_pretrained` could not match: model parameters and checkpoint tensors."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def _check_config(model: nn.Module, directory: Path) -> None:
+    path = directory / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: a HF checkpoint directory has config.json beside its weights"
+        )
+    saved = json.loads(path.read_text())
+    config = model.config
+    if saved.get("model_type") != config.model_type:
+        raise ValueError(f"{path} is a {saved.get('model_type')!r} model; the model is {config.model_type!r}")
+    for field in _SHAPE_FIELDS:
+        if field in saved and getattr(config, field, saved[field]) != saved[field]:
+            raise ValueError(f"{path} has {field}={saved[field]}, the model {getattr(config, field)}")
+
+
+class _Target:
+    """The model's tensors by name, and which of them (or which expert rows) the checkpoint covered.
+
+    Coverage is kept per tensor object, so tied weights are filled through either name.
+    """
+
+    def __init__(self, model: nn.Module):
+        persistent = set(model.state_dict().keys())
+        named = [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+        self.tensors = {name: t for name, t in named if name in persistent}
+        self.filled: dict[int, set] = {id(t): set() for t in self.tensors.values()}
+
+    def name(self, key: str) -> str | None:
+        """The model's name for checkpoint key ``key`` (a base model drops the ``model.`` prefix)."""
+        if key in self.tensors:
+            return key
+        stripped = key.removeprefix("model.")
+        return stripped if stripped in self.tensors else None
+
+    def assign(self, key: str, read) -> bool:
+        expert = _PER_EXPERT.match(key)
+        if expert is None:
+            name = self.name(key)
+            if name is None:
+                return False
+            tensor = read()
+            if tensor.shape != self.tensors[name].shape:
+                raise ValueError(
+                    f"{key} is {tuple(tensor.shape)}; the model's {name} is {tuple(self.tensors[name].shape)}"
+                )
+            self.tensors[name].copy_(tensor)
+            self.filled[id(self.tensors[name])].add(None)
+            return True
+        part, index = expert["part"], int(expert["expert"])
+        name = self.name(f"{expert['experts']}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}")
+        if name is None:
+            return False
+        fused = self.tensors[name]
+        if index >= fused.shape[0]:
+            raise ValueError(f"{key}: expert {index} does not exist; the model has {fused.shape[0]}")
+        rows = fused.shape[1] // 2
+        target = {
+            "gate_proj": fused[index, :rows],
+            "up_proj": fused[index, rows:],
+            "down_proj": fused[index],
+        }[part]
+        tensor = read()
+        if tensor.shape != target.shape:
+            raise ValueError(
+                f"{key} is {tuple(tensor.shape)}; expected {tuple(target.shape)} for {name}[{index}]"
+            )
+        target.copy_(tensor)
+        self.filled[id(fused)].add((index, part))
+        return True
+
+    def missing(self) -> list[str]:
+        missing = []
+        for name, tensor in self.tensors.items():
+            got = self.filled[id(tensor)]
+            if None in got:
+                continue
+            if name.endswith(("gate_up_proj", "down_proj")) and tensor.dim() == 3:
+                parts = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
+                if all((e, p) in got for e in range(tensor.shape[0]) for p in parts):
+                    continue
+            missing.append(name)
+        return missing
+
+
+def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+    """Copy HF weights from a local checkpoint directory into ``model`` in place.
+
+    Reads ``config.json`` (its model type and shape fields must match
+    ``model.config``) and ``model.safetensors`` or the shards listed in
+    ``model.safetensors.index.json``. Per-expert tensors
+    (``...experts.<e>.{gate,up,down}_proj.weight``, what ``save_pretrained``
+    writes) land in the stacked ``gate_up_proj`` / ``down_proj`` parameters of
+    transformers 5.x; stacked tensors load as they are. Values are copied
+    into the existing parameters (converting dtype), so a patched model, or one
+    whose parameters were swapped for views into shared memory, keeps its
+    tensors. Tied weights are filled through either name.
+
+    Args:
+        model: a (patched or not) Qwen3 / Qwen3-MoE model, or any HF model with
+            matching parameter names.
+        directory: the checkpoint directory.
+        strict: raise if a parameter is left unfilled or a checkpoint tensor
+            has no parameter.
+
+    Returns:
+        The unfilled parameter names and unused checkpoint keys.
+
+    Example::
+
+        import hyperparallel.nn as hpnn
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("ckpt/"))
+        hpnn.patch(model)
+        hpnn.load_pretrained(model, "ckpt/")
+    """
+    directory = Path(directory)
+    _check_config(model, directory)
+    target = _Target(model)
+    unexpected = []
+    with torch.no_grad():
+        for path in _shard_files(directory):
+            with safe_open(str(path), framework="pt") as shard:
+                for key in shard.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    if not target.assign(key, lambda key=key: shard.get_tensor(key)):
+                        unexpected.append(key)
+    result = LoadResult(target.missing(), unexpected)
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise KeyError(
+            f"load_pretrained({directory}): missing {result.missing_keys[:8]} "
+            f"({len(result.missing_keys)}), unexpected {result.unexpected_keys[:8]} ({len(result.unexpected_keys)})"
+        )
+    return result

@@ -1,0 +1,276 @@
+"""Fused replacements for the modules of HuggingFace Qwen3 and Qwen3-MoE.
+
+Each fused class subclasses the HF class it replaces and overrides only
+``forward``, which calls a ``torch.ops.hyperparallel`` kernel on the module's
+own parameters, read at call time (they may be swapped for other tensors, e.g.
+by FSDP). :func:`hyperparallel.nn.patch` turns HF modules into these in place by
+changing their class, so parameters, buffers, hooks and state_dict keys stay
+exactly as they were.
+
+Example::
+
+    import torch
+    import hyperparallel.nn as hpnn
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(64)
+    norm.__class__ = hpnn.modules.FusedQwen3RMSNorm  # what hp.nn.patch does
+    y = norm(torch.randn(2, 64))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+from transformers.utils.generic import can_return_tuple
+
+import hyperparallel._C  # noqa: F401  (registers torch.ops.hyperparallel)
+
+_ops = torch.ops.hyperparallel
+
+# Attention implementations whose masks the fused attention reads: None, or a
+# (batch or 1, 1, seq, seq) bool / additive tensor.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def _config(module: torch.nn.Module):
+    return getattr(module, "config", None)
+
+
+class FusedRMSNorm:
+    """HF RMSNorm as one pass forward and one backward (``hyperparallel::rms_norm``)."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return _ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        return None
+
+
+class FusedAttention:
+    """q/k-norm, RoPE and causal GQA attention in one op (``hyperparallel::attention``).
+
+    The projections stay HF's ``nn.Linear`` modules. Decoding steps that read a
+    filled KV cache, and masks longer than the sequence, take HF's path.
+    """
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor],
+        attention_mask: Tensor | None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        if attention_mask is not None and not isinstance(attention_mask, Tensor):
+            raise TypeError(
+                f"hp.nn fused attention reads sdpa or eager masks (None or a tensor), got "
+                f"{type(attention_mask).__name__}; use attn_implementation='sdpa'"
+            )
+        seq = hidden_states.shape[-2]
+        cached = past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0
+        if cached or (attention_mask is not None and tuple(attention_mask.shape[-2:]) != (seq, seq)):
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+            )
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        v = self.v_proj(hidden_states).view(shape)
+        cos, sin = position_embeddings
+        out, k_rope = _ops.attention(
+            q,
+            k,
+            v,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos,
+            sin,
+            attention_mask,
+            self.q_norm.variance_epsilon,
+            self.k_norm.variance_epsilon,
+            self.scaling,
+        )
+        if past_key_values is not None:
+            past_key_values.update(k_rope, v.transpose(1, 2), self.layer_idx)
+        return self.o_proj(out.flatten(-2)), None
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        config = _config(module)
+        if getattr(module, "sliding_window", None) is not None:
+            return "sliding-window attention"
+        if config is not None and config.attention_dropout:
+            return f"attention_dropout={config.attention_dropout}"
+        implementation = (config._attn_implementation if config is not None else None) or "eager"
+        if implementation not in SUPPORTED_ATTENTION:
+            return f"attn_implementation={implementation!r} (fused attention reads sdpa/eager masks)"
+        if module.head_dim % 2:
+            return f"odd head_dim={module.head_dim}"
+        return None
+
+
+class FusedSwiGLU:
+    """HF's gated MLP ``down(silu(gate(x)) * up(x))`` (``hyperparallel::swiglu_mlp``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        if module.config.hidden_act != "silu":
+            return f"hidden_act={module.config.hidden_act!r}"
+        if any(p.bias is not None for p in (module.gate_proj, module.up_proj, module.down_proj)):
+            return "biased projections"
+        return None
+
+
+class FusedRouter:
+    """Router logits, float32 softmax, top-k and renormalisation (``hyperparallel::moe_router``)."""
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        flat = hidden_states.reshape(-1, self.hidden_dim)
+        return _ops.moe_router(flat, self.weight, self.top_k, self.norm_topk_prob)
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        return None
+
+
+class FusedExperts:
+    """Grouped expert GEMMs on tokens sorted by expert (``hyperparallel::moe_experts``)."""
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return _ops.moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        if module.config.hidden_act != "silu":
+            return f"hidden_act={module.config.hidden_act!r}"
+        layout = {
+            "has_gate": True,
+            "has_bias": False,
+            "is_transposed": False,
+            "is_concatenated": True,
+            "has_post_expert_norm": False,
+            "_is_expert_parallel": False,
+        }
+        for name, expected in layout.items():
+            if getattr(module, name, expected) != expected:
+                return f"experts with {name}={not expected}"
+        return None
+
+
+class FusedQwen3RMSNorm(FusedRMSNorm, qwen3.Qwen3RMSNorm):
+    pass
+
+
+class FusedQwen3Attention(FusedAttention, qwen3.Qwen3Attention):
+    pass
+
+
+class FusedQwen3MLP(FusedSwiGLU, qwen3.Qwen3MLP):
+    pass
+
+
+class FusedQwen3MoeRMSNorm(FusedRMSNorm, qwen3_moe.Qwen3MoeRMSNorm):
+    pass
+
+
+class FusedQwen3MoeAttention(FusedAttention, qwen3_moe.Qwen3MoeAttention):
+    pass
+
+
+class FusedQwen3MoeMLP(FusedSwiGLU, qwen3_moe.Qwen3MoeMLP):
+    pass
+
+
+class FusedQwen3MoeTopKRouter(FusedRouter, qwen3_moe.Qwen3MoeTopKRouter):
+    pass
+
+
+class FusedQwen3MoeExperts(FusedExperts, qwen3_moe.Qwen3MoeExperts):
+    pass
+
+
+class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
+    """HF's Qwen3MoeForCausalLM with the load-balancing loss in C++ (``hyperparallel::moe_aux_loss``).
+
+    It keeps HF's class name because ``save_pretrained`` records the class name
+    as the checkpoint's architecture.
+    """
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | Tensor = 0,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        aux_loss = None
+        if output_router_logits:
+            router_logits = torch.stack(outputs.router_logits)
+            aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
+            if loss is not None:
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        return None
+
+
+# HF class -> the fused class that replaces it.
+FUSED: dict[type, type] = {
+    qwen3.Qwen3RMSNorm: FusedQwen3RMSNorm,
+    qwen3.Qwen3Attention: FusedQwen3Attention,
+    qwen3.Qwen3MLP: FusedQwen3MLP,
+    qwen3_moe.Qwen3MoeRMSNorm: FusedQwen3MoeRMSNorm,
+    qwen3_moe.Qwen3MoeAttention: FusedQwen3MoeAttention,
+    qwen3_moe.Qwen3MoeMLP: FusedQwen3MoeMLP,
+    qwen3_moe.Qwen3MoeTopKRouter: FusedQwen3MoeTopKRouter,
+    qwen3_moe.Qwen3MoeExperts: FusedQwen3MoeExperts,
+    qwen3_moe.Qwen3MoeForCausalLM: Qwen3MoeForCausalLM,
+}
+
+# The models patch() accepts.
+SUPPORTED_MODELS: tuple[type, ...] = (
+    qwen3.Qwen3ForCausalLM,
+    qwen3.Qwen3Model,
+    qwen3_moe.Qwen3MoeForCausalLM,
+    qwen3_moe.Qwen3MoeModel,
+)

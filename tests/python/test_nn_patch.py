@@ -1,0 +1,310 @@
+"""hp.nn.patch on whole HF models: parity with the unpatched model, and what patching keeps.
+
+Parity: logits, loss (with and without the load-balancing loss) and every
+parameter's gradient within 1e-5 absolute in float32, on tiny random configs
+that differ in heads, kv heads, head_dim, experts, top-k, norm_topk_prob,
+sequence length and dense layers, and on ../shared/bench/qwen3-moe-small.
+"""
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+import hyperparallel.nn as hpnn
+
+SHARED_SMALL = Path(__file__).resolve().parents[3] / "shared" / "bench" / "qwen3-moe-small.config.json"
+STRICT = {"atol": 1e-5, "rtol": 0}
+
+
+def moe(heads, kv_heads, head_dim, experts, top_k, norm, seq, **extra) -> dict:
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": norm,
+        "seq": seq,
+        **extra,
+    }
+
+
+def dense(heads, kv_heads, head_dim, seq) -> dict:
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "seq": seq}
+
+
+MOE_CONFIGS = {
+    "h4-kv2-d16-e8-k2-norm": moe(4, 2, 16, 8, 2, True, seq=33),
+    "h8-kv1-d8-e4-k1": moe(8, 1, 8, 4, 1, False, seq=17),
+    "h2-kv2-d32-e16-k4-norm-dense1": moe(2, 2, 32, 16, 4, True, seq=64, mlp_only_layers=[1]),
+    "h6-kv3-d16-e5-k3-step2": moe(6, 3, 16, 5, 3, False, seq=48, decoder_sparse_step=2),
+    "h4-kv4-d64-e8-k8-norm": moe(4, 4, 64, 8, 8, True, seq=9),
+    "h8-kv2-d16-e12-k2-norm-long": moe(8, 2, 16, 12, 2, True, seq=130, batch=1),
+}
+DENSE_CONFIGS = {"h4-kv2-d16": dense(4, 2, 16, seq=31), "h3-kv1-d32": dense(3, 1, 32, seq=70)}
+
+
+def make_config(kind: str, **values):
+    common = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 40,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+        "initializer_range": 0.1,
+        "rms_norm_eps": 1e-6,
+    }
+    common.update(values)
+    return (Qwen3MoeConfig if kind == "moe" else Qwen3Config)(**common)
+
+
+def build(config, seed: int, patch: bool = True):
+    """An HF model with weights far from zero (norm weights around 1) and its patched twin (or None)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    if not patch:
+        return model, None
+    fused = copy.deepcopy(model)
+    hpnn.patch(fused)
+    return model, fused
+
+
+def forward_backward(model, ids, **kwargs):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids, **{k: v for k, v in kwargs.items() if v is not None})
+    out.loss.backward()
+    # A compiled model names its parameters under _orig_mod.
+    return out, {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_model_parity(model, fused, ids, tolerance=STRICT, aux_options=(False, True)):
+    for aux in aux_options:
+        (ref, ref_grads), (got, got_grads) = (
+            forward_backward(m, ids, output_router_logits=aux) for m in (model, fused)
+        )
+        assert_close(got.logits, ref.logits, **tolerance)
+        assert_close(got.loss, ref.loss, **tolerance)
+        if aux:
+            assert_close(got.aux_loss, ref.aux_loss, **tolerance)
+        for name in ref_grads:
+            assert_close(
+                got_grads[name],
+                ref_grads[name],
+                **tolerance,
+                msg=lambda m, n=f"{name} (aux={aux})": f"{n}: {m}",
+            )
+
+
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_qwen3_moe_matches_hf(name):
+    values = dict(MOE_CONFIGS[name])
+    seq, batch = values.pop("seq"), values.pop("batch", 2)
+    model, fused = build(make_config("moe", **values), seed=len(name))
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    assert_model_parity(model, fused, ids)
+
+
+@pytest.mark.parametrize("name", DENSE_CONFIGS)
+def test_qwen3_matches_hf(name):
+    values = dict(DENSE_CONFIGS[name])
+    seq = values.pop("seq")
+    model, fused = build(make_config("dense", **values), seed=len(name))
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+    assert_model_parity(model, fused, ids, aux_options=(None,))
+
+
+def test_shared_small_config_matches_hf():
+    config = AutoConfig.from_pretrained(SHARED_SMALL)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    fused = copy.deepcopy(model)
+    hpnn.patch(fused)
+    ids = torch.randint(0, config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(1))
+    assert_model_parity(model, fused, ids)
+
+
+def test_bfloat16_is_as_close_to_float32_as_hf():
+    """bf16 tolerance: the patched bf16 model must be no further from the float32 result than HF's own bf16 model.
+
+    Both bf16 models share weights; the float32 reference runs the same (bf16
+    -representable) weights. HF rounds to bf16 after every op, the fused
+    kernels only where HF's output dtype demands it (accumulating in float32),
+    so their error should be at most HF's; the factor 1.5 plus one bf16 ulp of
+    slack absorbs the two errors' different signs.
+    """
+    config = make_config(
+        "moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    model, _ = build(config, seed=3, patch=False)
+    model = model.to(torch.bfloat16)
+    fused = copy.deepcopy(model)
+    hpnn.patch(fused)
+    reference = copy.deepcopy(model).float()
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    results = [forward_backward(m, ids, output_router_logits=True) for m in (reference, model, fused)]
+    (ref, ref_grads), (hf_out, hf_grads), (hp_out, hp_grads) = results
+
+    def error(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+    pairs = [
+        ("logits", hp_out.logits, hf_out.logits, ref.logits),
+        ("loss", hp_out.loss, hf_out.loss, ref.loss),
+    ]
+    pairs += [(n, hp_grads[n], hf_grads[n], ref_grads[n]) for n in ref_grads]
+    for name, hp, hf, fp32 in pairs:
+        assert error(hp, fp32) <= 1.5 * error(hf, fp32) + 2**-8, (
+            f"{name}: hp {error(hp, fp32):.2e} vs HF {error(hf, fp32):.2e}"
+        )
+
+
+def test_patch_keeps_parameters_names_and_state_dict():
+    model, _ = build(
+        make_config(
+            "moe",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+        ),
+        seed=4,
+        patch=False,
+    )
+    before = dict(model.named_parameters())
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    replaced = hpnn.patch(model)
+    assert dict(model.named_parameters()) == before  # the same Parameter objects under the same names
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+    layer = model.model.layers[1]
+    assert replaced[""].__name__ == "Qwen3MoeForCausalLM"
+    assert replaced["model.layers.0.mlp"].__name__ == "Qwen3MoeMLP"
+    assert replaced["model.layers.1.mlp.experts"].__name__ == "Qwen3MoeExperts"
+    assert replaced["model.layers.1.mlp.gate"].__name__ == "Qwen3MoeTopKRouter"
+    assert replaced["model.layers.1.self_attn"].__name__ == "Qwen3MoeAttention"
+    assert replaced["model.norm"].__name__ == "Qwen3MoeRMSNorm"
+    assert isinstance(layer.self_attn, replaced["model.layers.1.self_attn"])  # still an HF module
+    assert type(layer).__name__ == "Qwen3MoeDecoderLayer"  # decoder layers stay for FSDP
+    assert hpnn.patch(model) == {}
+
+
+def test_unknown_model_raises():
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+        )
+    )
+    with pytest.raises(TypeError, match="hp.nn.patch supports"):
+        hpnn.patch(llama)
+
+
+def test_sliding_window_attention_is_left_unpatched_with_a_warning():
+    config = make_config(
+        "dense",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    model, _ = build(config, seed=5, patch=False)
+    fused = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"model.layers.1.self_attn .* sliding-window"):
+        replaced = hpnn.patch(fused)
+    assert "model.layers.0.self_attn" in replaced and "model.layers.1.self_attn" not in replaced
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    assert_model_parity(model, fused, ids, aux_options=(None,))
+
+
+def test_unsupported_attention_implementation_is_left_unpatched():
+    config = make_config("dense", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config._attn_implementation = "flex_attention"
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.warns(UserWarning, match="flex_attention"):
+        replaced = hpnn.patch(model)
+    assert not any(name.endswith("self_attn") for name in replaced)
+
+
+def test_parameters_replaced_after_patching_are_used():
+    """FSDP swaps parameters for other tensors after patching: the fused modules read them at call time."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=6)
+    torch.manual_seed(7)
+    for name, p in list(model.named_parameters()):
+        new = torch.nn.Parameter(p.detach() + 0.05 * torch.randn_like(p))
+        for m in (model, fused):
+            owner = m.get_submodule(name.rpartition(".")[0])
+            setattr(owner, name.rpartition(".")[2], torch.nn.Parameter(new.detach().clone()))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    assert_model_parity(model, fused, ids, aux_options=(True,))
+
+
+def test_generation_with_kv_cache_matches_hf():
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=8)
+    prompt = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokens = [
+            m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0) for m in (model, fused)
+        ]
+    assert torch.equal(tokens[1], tokens[0])
+
+
+def test_torch_compile_matches_eager():
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    _, fused = build(config, seed=9)
+    compiled_model = copy.deepcopy(fused)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=False)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(6))
+    (eager, eager_grads), (comp, comp_grads) = (
+        forward_backward(m, ids, output_router_logits=True, use_cache=False) for m in (fused, compiled)
+    )
+    assert_close(comp.loss, eager.loss, **STRICT)
+    for name in eager_grads:
+        assert_close(comp_grads[name], eager_grads[name], **STRICT)
+
+
+def test_save_and_from_pretrained_round_trip(tmp_path):
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=10)
+    fused.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    hpnn.patch(reloaded)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, **STRICT)
