@@ -30,6 +30,15 @@ std::string shape_string(const std::vector<int64_t>& shape) { return c10::str(c1
 Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
            c10::intrusive_ptr<c10d::ProcessGroup> counterparts)
     : params_(std::move(params)), comm_(comm), mesh_(std::move(mesh)), counterparts_(std::move(counterparts)) {
+  check_layout();
+  plan_matrices();
+  plan_owners();
+  allocate_slots();
+  plan_pieces();
+  plan_transfers();
+}
+
+void Muon::check_layout() {
   bool any_sharded = false;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const auto& shape = params_[i].shape;
@@ -40,24 +49,25 @@ Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout m
                 "hp.optim.Muon: parameter ", i, " has shape ", shape_string(shape), " with an empty dimension");
     any_sharded |= params_[i].sharded;
   }
-  if (any_sharded) {
-    TORCH_CHECK(comm_, "hp.optim.Muon: sharded (DTensor) parameters need the fabric; call hp.comm.init() first");
-    const fabric::Topology& topology = comm_->topology();
-    rank_ = topology.rank, world_ = topology.world_size, node_ = topology.node, nodes_ = topology.num_nodes;
-    local_rank_ = topology.local_rank, local_world_ = topology.local_world_size;
-    TORCH_CHECK(int(mesh_.shard.size()) == world_ && int(mesh_.replica.size()) == world_,
-                "hp.optim.Muon: the parameters' device mesh must hold every rank of the job (", world_,
-                " ranks), but it holds ", mesh_.shard.size(), "; shard them over a mesh of all ranks");
-    shards_ = *std::max_element(mesh_.shard.begin(), mesh_.shard.end()) + 1;
-    const int64_t replicas = *std::max_element(mesh_.replica.begin(), mesh_.replica.end()) + 1;
-    std::set<std::pair<int64_t, int64_t>> places;
-    for (int g = 0; g < world_; ++g) places.insert({mesh_.replica[g], mesh_.shard[g]});
-    TORCH_CHECK(shards_ * replicas == world_ && int(places.size()) == world_,
-                "hp.optim.Muon: the mesh layout is not a (replicate, shard) grid over the ", world_, " ranks");
-    TORCH_CHECK(nodes_ == 1 || counterparts_,
-                "hp.optim.Muon: a job over several nodes needs each rank's c10d group of counterparts");
-  }
+  if (!any_sharded) return;  // a plan of this process alone
+  TORCH_CHECK(comm_, "hp.optim.Muon: sharded (DTensor) parameters need the fabric; call hp.comm.init() first");
+  const fabric::Topology& topology = comm_->topology();
+  rank_ = topology.rank, world_ = topology.world_size, node_ = topology.node, nodes_ = topology.num_nodes;
+  local_rank_ = topology.local_rank, local_world_ = topology.local_world_size;
+  TORCH_CHECK(int(mesh_.shard.size()) == world_ && int(mesh_.replica.size()) == world_,
+              "hp.optim.Muon: the parameters' device mesh must hold every rank of the job (", world_,
+              " ranks), but it holds ", mesh_.shard.size(), "; shard them over a mesh of all ranks");
+  shards_ = *std::max_element(mesh_.shard.begin(), mesh_.shard.end()) + 1;
+  const int64_t replicas = *std::max_element(mesh_.replica.begin(), mesh_.replica.end()) + 1;
+  std::set<std::pair<int64_t, int64_t>> places;
+  for (int g = 0; g < world_; ++g) places.insert({mesh_.replica[g], mesh_.shard[g]});
+  TORCH_CHECK(shards_ * replicas == world_ && int(places.size()) == world_,
+              "hp.optim.Muon: the mesh layout is not a (replicate, shard) grid over the ", world_, " ranks");
+  TORCH_CHECK(nodes_ == 1 || counterparts_,
+              "hp.optim.Muon: a job over several nodes needs each rank's c10d group of counterparts");
+}
 
+void Muon::plan_matrices() {
   // One pool per shape and Newton–Schulz options; sharded and private
   // matrices apart, since only the first live in shared memory.
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -72,8 +82,11 @@ Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout m
     pools_[pool].count += experts;
     for (int64_t e = 0; e < experts; ++e) matrices_.push_back(Matrix{int64_t(i), e, pool, rank_, 0});
   }
+}
 
-  // Owners of the sharded matrices: one in the job, cost-balanced.
+void Muon::plan_owners() {
+  // Sharded matrices: one owner in the job, cost-balanced. Private ones stay
+  // with this rank.
   std::vector<int64_t> costs;
   std::vector<std::vector<int>> homes;
   std::vector<std::size_t> sharded;
@@ -89,11 +102,13 @@ Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout m
   }
   assignment_ = assign_owners(costs, homes, world_);
   for (std::size_t j = 0; j < sharded.size(); ++j) matrices_[sharded[j]].owner = assignment_.owner[j];
+}
 
-  // Slots: each owner's matrices of a pool side by side, so that its batch
-  // is one contiguous tensor.
+void Muon::allocate_slots() {
+  // Each owner's matrices of a pool side by side, so that its batch is one
+  // contiguous tensor.
   std::vector<std::size_t> order(matrices_.size());
-  for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::iota(order.begin(), order.end(), std::size_t(0));
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t x, std::size_t y) { return matrices_[x].owner < matrices_[y].owner; });
   std::vector<int64_t> filled(pools_.size(), 0);
@@ -106,8 +121,7 @@ Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout m
       pool.mine_end = matrix.slot + 1;
     }
   }
-
-  // Buffers: the sharded pools in one node-shared window, the others private.
+  // The sharded pools in one node-shared window, the others private.
   int64_t shared_bytes = 0;
   for (Pool& pool : pools_) {
     if (!pool.shared) {
@@ -117,15 +131,11 @@ Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout m
     pool.offset = shared_bytes;
     shared_bytes += (pool.count * pool.rows * pool.cols * 2 + kAlign - 1) / kAlign * kAlign;
   }
-  if (shared_bytes > 0) {
-    window_ = comm_->node().shared(shared_bytes);
-    auto* base = static_cast<char*>(window_->data());
-    for (Pool& pool : pools_)
-      if (pool.shared)
-        pool.slots = at::from_blob(base + pool.offset, {pool.count, pool.rows, pool.cols}, at::kBFloat16);
-  }
-  plan_pieces();
-  plan_transfers();
+  if (shared_bytes == 0) return;
+  window_ = comm_->node().shared(shared_bytes);
+  auto* base = static_cast<char*>(window_->data());
+  for (Pool& pool : pools_)
+    if (pool.shared) pool.slots = at::from_blob(base + pool.offset, {pool.count, pool.rows, pool.cols}, at::kBFloat16);
 }
 
 std::pair<int64_t, int64_t> Muon::shard_rows(const Matrix& matrix, int64_t shard) const {

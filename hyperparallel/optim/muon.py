@@ -63,14 +63,6 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -81,16 +73,18 @@ class Muon(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
         }
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            _check_group(group)
+        super().__init__(params, defaults)  # checks each group through add_param_group
         self._plan: _C.Muon | None = None
         self._plan_key: tuple = ()
         self._plan_params: list[torch.Tensor] = []
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+        super().add_param_group(param_group)  # fills in the defaults the checks read
+        try:
+            _check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -177,12 +171,24 @@ def reset_stats() -> None:
 
 
 def _check_group(group: dict[str, Any]) -> None:
+    """torch.optim.Muon's argument checks, for every group (add_param_group included)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"hp.optim.Muon: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    for name in ("lr", "momentum", "weight_decay"):
+        if not group[name] >= 0:
+            raise ValueError(f"hp.optim.Muon: {name} must be >= 0, got {group[name]}")
     if group["adjust_lr_fn"] not in _ADJUST_LR:
-        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
-    if group["ns_steps"] >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+        raise ValueError(
+            f"hp.optim.Muon: adjust_lr_fn {group['adjust_lr_fn']!r} is not supported; "
+            "use None, 'original' or 'match_rms_adamw'"
+        )
+    if not 0 <= group["ns_steps"] < 100:
+        raise ValueError(f"hp.optim.Muon: ns_steps must be in [0, 100), got {group['ns_steps']}; 5 is usual")
     if len(group["ns_coefficients"]) != 3:
-        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+        raise ValueError(
+            f"hp.optim.Muon: ns_coefficients must be three numbers (a, b, c), got {group['ns_coefficients']}"
+        )
     for p in group["params"]:
         if p.ndim not in (2, 3):
             raise ValueError(

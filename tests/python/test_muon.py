@@ -117,11 +117,13 @@ def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="give biases, norms and embeddings to AdamW"):
         hpo.Muon([nn.Parameter(torch.zeros(4))])
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match="use None, 'original' or 'match_rms_adamw'"):
         hpo.Muon(_params([(4, 4)], 0), adjust_lr_fn="sqrt")
-    with pytest.raises(ValueError, match="less than 100"):
+    with pytest.raises(ValueError, match=r"ns_steps must be in \[0, 100\)"):
         hpo.Muon(_params([(4, 4)], 0), ns_steps=100)
     optimizer = hpo.Muon(_params([(4, 4)], 0))
+    with pytest.raises(ValueError, match="momentum must be >= 0"):
+        optimizer.add_param_group({"params": _params([(4, 4)], 1), "momentum": -0.5})
     with pytest.raises(RuntimeError, match="call step"):
         optimizer.owned()
 

@@ -112,6 +112,11 @@ class Muon {
     std::vector<std::vector<std::pair<int64_t, int64_t>>> send, recv;  // per node: (offset, bytes)
   };
 
+  // The constructor's stages, in order.
+  void check_layout();
+  void plan_matrices();
+  void plan_owners();
+  void allocate_slots();
   void plan_pieces();
   void plan_transfers();
   // Rows [begin, begin + count) of the shard of `matrix` held by shard `shard`.
