@@ -288,6 +288,9 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     const StepOptions& o = options[i];
     at::Tensor buffer = momentum[i];
     buffer.lerp_(grads[i], 1.0 - o.momentum);
+    // A replica whose node already has these rows from another one skips them.
+    auto writes = [](const Piece& piece) { return piece.write; };
+    if (std::none_of(pieces_[i].begin(), pieces_[i].end(), writes)) continue;
     at::Tensor update = o.nesterov ? at::lerp(grads[i], buffer, o.momentum) : buffer;
     for (const Piece& piece : pieces_[i])
       if (piece.write) slot_rows(piece).copy_(local_rows(update, piece));
