@@ -58,6 +58,7 @@ void Muon::check_layout() {
               "hp.optim.Muon: the parameters' device mesh must hold every rank of the job (", world_,
               " ranks), but it holds ", mesh_.shard.size(), "; shard them over a mesh of all ranks");
   shards_ = *std::max_element(mesh_.shard.begin(), mesh_.shard.end()) + 1;
+  shard_ = mesh_.shard[rank_];
   const int64_t replicas = *std::max_element(mesh_.replica.begin(), mesh_.replica.end()) + 1;
   std::set<std::pair<int64_t, int64_t>> places;
   for (int g = 0; g < world_; ++g) places.insert({mesh_.replica[g], mesh_.shard[g]});
@@ -162,9 +163,8 @@ int64_t Muon::byte_offset(const Matrix& matrix, int64_t row) const {
 
 void Muon::plan_pieces() {
   pieces_.assign(params_.size(), {});
-  const int64_t shard = params_.empty() || world_ == 1 ? 0 : mesh_.shard[rank_];
   // Of several replicas on one node, the lowest writes the node's copy.
-  const bool writes = world_ == 1 || writer(node_, shard) == local_rank_;
+  const bool writes = world_ == 1 || writer(node_, shard_) == local_rank_;
   int64_t first = 0;  // index of the parameter's first matrix
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const ParamSpec& spec = params_[i];
@@ -174,11 +174,11 @@ void Muon::plan_pieces() {
       for (int64_t e = 0; e < experts; ++e)
         pieces_[i].push_back(Piece{first + e, spec.shape.size() == 3 ? e : -1, 0, rows, true});
     } else if (spec.shape.size() == 3) {
-      const comm::Range mine = comm::chunk(experts, int(shards_), int(shard));
+      const comm::Range mine = comm::chunk(experts, int(shards_), int(shard_));
       for (int64_t e = mine.begin; e < int64_t(mine.end); ++e)
         pieces_[i].push_back(Piece{first + e, e - int64_t(mine.begin), 0, rows, writes});
     } else {
-      auto [begin, count] = shard_rows(matrices_[first], shard);
+      auto [begin, count] = shard_rows(matrices_[first], shard_);
       if (count > 0) pieces_[i].push_back(Piece{first, -1, begin, count, writes});
     }
     first += experts;
@@ -260,10 +260,9 @@ at::Tensor Muon::local_rows(const at::Tensor& local, const Piece& piece) {
 void Muon::check_locals(const std::vector<at::Tensor>& tensors, const char* what) const {
   TORCH_CHECK(tensors.size() == params_.size(), "hp.optim.Muon: step got ", tensors.size(), " ", what,
               " tensors for a plan of ", params_.size(), " parameters");
-  const int64_t shard = world_ == 1 ? 0 : mesh_.shard[rank_];
   for (std::size_t i = 0; i < params_.size(); ++i) {
     std::vector<int64_t> expected = params_[i].shape;
-    if (params_[i].sharded) expected[0] = comm::chunk(expected[0], int(shards_), int(shard)).size();
+    if (params_[i].sharded) expected[0] = comm::chunk(expected[0], int(shards_), int(shard_)).size();
     TORCH_CHECK(tensors[i].sizes() == c10::IntArrayRef(expected), "hp.optim.Muon: ", what, " ", i,
                 " has local shape ", tensors[i].sizes(), " but the plan expects ", shape_string(expected),
                 " (of global shape ", shape_string(params_[i].shape), "); were the parameters resharded after the ",

@@ -75,8 +75,8 @@ class Muon(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._plan: _C.Muon | None = None
-        self._plan_key: tuple = ()
-        self._plan_params: list[torch.Tensor] = []
+        self._plan_key: tuple = ()  # ids of the planned parameters, with their Newton–Schulz options
+        self._plan_params: list[torch.Tensor] = []  # held, so that no other tensor takes one of those ids
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # fills in the defaults the checks read

@@ -133,7 +133,7 @@ class Muon {
   MeshLayout mesh_;
   c10::intrusive_ptr<c10d::ProcessGroup> counterparts_;
   int rank_ = 0, world_ = 1, node_ = 0, nodes_ = 1, local_rank_ = 0, local_world_ = 1;
-  int64_t shards_ = 1;
+  int64_t shards_ = 1, shard_ = 0;  // shards of the mesh, and this rank's
   std::vector<Pool> pools_;
   std::vector<Matrix> matrices_;
   Assignment assignment_;
