@@ -187,42 +187,48 @@ void Muon::plan_pieces() {
 
 void Muon::plan_transfers() {
   if (nodes_ == 1) return;
-  for (Transfer* transfer : {&gather_, &results_}) {
-    transfer->send.assign(nodes_, {});
-    transfer->recv.assign(nodes_, {});
-  }
+  const Transfer none{std::vector<Ranges>(nodes_), std::vector<Ranges>(nodes_)};
+  gather_ = none;
+  results_.assign(pools_.size(), none);
+  // Adjacent rows travel as one range.
+  auto append = [](Ranges& ranges, std::pair<int64_t, int64_t> range) {
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == range.first)
+      ranges.back().second += range.second;
+    else
+      ranges.push_back(range);
+  };
   // Every rank walks the same matrices and shards in the same order, so both
   // ends of a link list its ranges in the same order.
   for (const Matrix& matrix : matrices_) {
     if (!pools_[matrix.pool].shared) continue;
-    const int owner_node = matrix.owner / local_world_;
+    const int owner_node = matrix.owner / local_world_, owner_local = matrix.owner % local_world_;
     for (int64_t shard = 0; shard < shards_; ++shard) {
       auto [begin, count] = shard_rows(matrix, shard);
       if (count == 0) continue;
-      const std::pair<int64_t, int64_t> range{byte_offset(matrix, begin),
-                                              count * pools_[matrix.pool].cols * 2};
+      const std::pair<int64_t, int64_t> range{byte_offset(matrix, begin), count * pools_[matrix.pool].cols * 2};
       // To the owner's node, if no rank there holds these rows: from the
       // first node that does, between counterparts.
       if (writer(owner_node, shard) < 0) {
         int from = 0;
         while (writer(from, shard) < 0) ++from;
         const int64_t local = writer(from, shard);
-        if (node_ == from && local_rank_ == local) gather_.send[owner_node].push_back(range);
-        if (node_ == owner_node && local_rank_ == local) gather_.recv[from].push_back(range);
+        if (node_ == from && local_rank_ == local) append(gather_.send[owner_node], range);
+        if (node_ == owner_node && local_rank_ == local) append(gather_.recv[from], range);
       }
-      // The update, back to every other node that holds these rows.
+      // The update, from the owner to its counterpart on every other node
+      // that holds these rows, which writes them into its node's buffer.
       for (int node = 0; node < nodes_; ++node) {
-        const int64_t local = writer(node, shard);
-        if (node == owner_node || local < 0 || local_rank_ != local) continue;
-        if (node_ == owner_node) results_.send[node].push_back(range);
-        if (node_ == node) results_.recv[owner_node].push_back(range);
+        if (node == owner_node || writer(node, shard) < 0) continue;
+        if (rank_ == matrix.owner) append(results_[matrix.pool].send[node], range);
+        if (node_ == node && local_rank_ == owner_local) append(results_[matrix.pool].recv[owner_node], range);
       }
     }
   }
 }
 
-void Muon::exchange(const Transfer& transfer) {
-  if (nodes_ == 1) return;
+Muon::Pending Muon::start(const Transfer& transfer) {
+  Pending pending;
+  pending.transfer = &transfer;
   std::vector<int64_t> send_sizes(nodes_, 0), recv_sizes(nodes_, 0);
   for (int node = 0; node < nodes_; ++node) {
     for (auto [offset, bytes] : transfer.send[node]) send_sizes[node] += bytes;
@@ -231,18 +237,25 @@ void Muon::exchange(const Transfer& transfer) {
   auto total = [](const std::vector<int64_t>& sizes) {
     return std::accumulate(sizes.begin(), sizes.end(), int64_t(0));
   };
-  at::Tensor send = at::empty({total(send_sizes)}, at::kByte), recv = at::empty({total(recv_sizes)}, at::kByte);
-  auto* base = static_cast<char*>(window_->data());
-  char* out = static_cast<char*>(send.data_ptr());
+  pending.send = at::empty({total(send_sizes)}, at::kByte);
+  pending.recv = at::empty({total(recv_sizes)}, at::kByte);
+  const auto* base = static_cast<const char*>(window_->data());
+  char* out = static_cast<char*>(pending.send.data_ptr());
   for (int node = 0; node < nodes_; ++node)
     for (auto [offset, bytes] : transfer.send[node]) {
       std::memcpy(out, base + offset, bytes);
       out += bytes;
     }
-  counterparts_->all_to_all_single(recv, send, recv_sizes, send_sizes)->wait();
-  const char* in = static_cast<const char*>(recv.data_ptr());
+  pending.work = counterparts_->all_to_all_single(pending.recv, pending.send, recv_sizes, send_sizes);
+  return pending;
+}
+
+void Muon::finish(Pending& pending) {
+  pending.work->wait();
+  auto* base = static_cast<char*>(window_->data());
+  const char* in = static_cast<const char*>(pending.recv.data_ptr());
   for (int node = 0; node < nodes_; ++node)
-    for (auto [offset, bytes] : transfer.recv[node]) {
+    for (auto [offset, bytes] : pending.transfer->recv[node]) {
       std::memcpy(base + offset, in, bytes);
       in += bytes;
     }
@@ -294,18 +307,24 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     for (const Piece& piece : pieces_[i])
       if (piece.write) slot_rows(piece).copy_(local_rows(update, piece));
   }
-  exchange(gather_);
+  if (nodes_ > 1) {
+    Pending gathered = start(gather_);
+    finish(gathered);
+  }
   if (node) node->publish(*window_);
 
-  // Each owner orthogonalises its matrices in place, one batch per pool.
-  for (const Pool& pool : pools_)
+  // Each owner orthogonalises its matrices in place, one batch per pool. The
+  // rows of a pool's results that other nodes hold travel while the next
+  // pool is orthogonalised.
+  std::vector<Pending> sent;
+  for (std::size_t p = 0; p < pools_.size(); ++p) {
+    const Pool& pool = pools_[p];
     if (pool.mine_end > pool.mine_begin)
       newton_schulz_(pool.slots.narrow(0, pool.mine_begin, pool.mine_end - pool.mine_begin), pool.ns);
-  if (node) node->publish(*window_);
-  if (nodes_ > 1) {
-    exchange(results_);
-    node->publish(*window_);
+    if (nodes_ > 1 && pool.shared) sent.push_back(start(results_[p]));
   }
+  for (Pending& pending : sent) finish(pending);
+  if (node) node->publish(*window_);
 
   // torch.optim.Muon's update, on this rank's rows.
   for (std::size_t i = 0; i < params_.size(); ++i) {

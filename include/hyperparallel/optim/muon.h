@@ -13,8 +13,9 @@
 //    chosen by a cost-balanced assignment (cost ∝ m·n·min(m,n)). The buffer
 //    keeps each owner's matrices of one shape contiguous, so the owner
 //    orthogonalises them in place as one batch.
-// 4. Results that other nodes need travel back over the same c10d links,
-//    and each rank applies its own rows of each update to its shard.
+// 4. Each owner sends the rows of its results that other nodes hold to its
+//    counterparts there, a pool at a time while it orthogonalises the next;
+//    each rank applies its own rows of each update to its shard.
 // Inside a node nothing is copied between ranks: the buffer is the fabric's
 // shared memory and each hand-over is a wait (hp::comm::Window rounds).
 // Parameters that are not sharded (plain tensors) are orthogonalised by the
@@ -108,8 +109,15 @@ class Muon {
     bool write = false;  // this rank writes these rows into the node's buffer
   };
   // Byte ranges of the node-shared buffer exchanged with each other node.
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;  // (offset, bytes)
   struct Transfer {
-    std::vector<std::vector<std::pair<int64_t, int64_t>>> send, recv;  // per node: (offset, bytes)
+    std::vector<Ranges> send, recv;  // per node
+  };
+  // A transfer under way: c10d's work and the bytes it moves.
+  struct Pending {
+    const Transfer* transfer = nullptr;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor send, recv;
   };
 
   // The constructor's stages, in order.
@@ -125,7 +133,10 @@ class Muon {
   int64_t writer(int node, int64_t shard) const;  // local rank, or -1
   at::Tensor slot_rows(const Piece& piece) const;
   static at::Tensor local_rows(const at::Tensor& local, const Piece& piece);
-  void exchange(const Transfer& transfer);
+  // Packs `transfer`'s ranges and starts the all-to-all between counterparts.
+  Pending start(const Transfer& transfer);
+  // Waits for it and unpacks what arrived into the node-shared buffer.
+  void finish(Pending& pending);
   void check_locals(const std::vector<at::Tensor>& tensors, const char* what) const;
 
   std::vector<ParamSpec> params_;
@@ -139,7 +150,8 @@ class Muon {
   Assignment assignment_;
   std::vector<std::vector<Piece>> pieces_;  // per parameter
   std::optional<comm::Window> window_;      // the node-shared buffer
-  Transfer gather_, results_;
+  Transfer gather_;                // rows an owner's node lacks
+  std::vector<Transfer> results_;  // per pool: updates that other nodes hold rows of
 };
 
 }  // namespace hp::optim
