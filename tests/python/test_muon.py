@@ -28,19 +28,23 @@ def _set_grads(step, *param_lists):
             p.grad = g.clone()
 
 
+def _step_both(steps, theirs, ours, reference, optimizer):
+    """Steps both optimizers on the same gradients; the parameters agree within 1e-6 after each step."""
+    for step in steps:
+        _set_grads(step, theirs, ours)
+        reference.step()
+        optimizer.step()
+        for p, q in zip(theirs, ours):
+            assert_close(q, p, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_updates_equal_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     theirs, ours = _params(SHAPES, 0), _params(SHAPES, 0)
     kwargs = {"lr": 2e-3, "weight_decay": weight_decay, "nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn}
-    reference, optimizer = torch.optim.Muon(theirs, **kwargs), hpo.Muon(ours, **kwargs)
-    for step in range(10):
-        _set_grads(step, theirs, ours)
-        reference.step()
-        optimizer.step()
-        for p, q in zip(theirs, ours):
-            assert_close(q, p, rtol=0, atol=1e-6)
+    _step_both(range(10), theirs, ours, torch.optim.Muon(theirs, **kwargs), hpo.Muon(ours, **kwargs))
 
 
 def test_an_expert_stack_is_one_matrix_per_expert():
@@ -68,10 +72,7 @@ def test_param_groups_state_dict_and_zero_grad():
 
     theirs, ours = _params(SHAPES, 1), _params(SHAPES, 1)
     reference, optimizer = torch.optim.Muon(groups(theirs)), hpo.Muon(groups(ours))
-    for step in range(5):
-        _set_grads(step, theirs, ours)
-        reference.step()
-        optimizer.step()
+    _step_both(range(5), theirs, ours, reference, optimizer)
     optimizer.zero_grad()
     assert all(p.grad is None for p in ours)
 
@@ -83,12 +84,7 @@ def test_param_groups_state_dict_and_zero_grad():
     )
     resumed = hpo.Muon(groups(ours))
     resumed.load_state_dict(state)
-    for step in range(5, 10):
-        _set_grads(step, theirs, ours)
-        reference.step()
-        resumed.step()
-    for p, q in zip(theirs, ours):
-        assert_close(q, p, rtol=0, atol=1e-6)
+    _step_both(range(5, 10), theirs, ours, reference, resumed)
 
 
 def test_same_shape_matrices_share_one_newton_schulz_call():
