@@ -127,7 +127,7 @@ class Muon {
   void allocate_slots();
   void plan_pieces();
   void plan_transfers();
-  // Rows [begin, begin + count) of the shard of `matrix` held by shard `shard`.
+  // Rows [begin, begin + count) of `matrix` that mesh shard `shard` holds (count 0: none).
   std::pair<int64_t, int64_t> shard_rows(const Matrix& matrix, int64_t shard) const;
   int64_t byte_offset(const Matrix& matrix, int64_t row) const;
   int64_t writer(int node, int64_t shard) const;  // local rank, or -1
