@@ -76,10 +76,14 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 }
 
 Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& mask) {
-  return {q.size(0),   q.size(1),
-          q.size(2),   k.size(2),
-          q.size(3),   q.size(2) / k.size(2),
-          cos.size(0), mask.defined() ? mask.size(0) : 0};
+  return Shape{.batch = q.size(0),
+               .seq = q.size(1),
+               .heads = q.size(2),
+               .kv_heads = k.size(2),
+               .d = q.size(3),
+               .group = q.size(2) / k.size(2),
+               .cos_batch = cos.size(0),
+               .mask_batch = mask.defined() ? mask.size(0) : 0};
 }
 
 // The mask as float32 scores to add: 0 / -inf for a bool mask.

@@ -306,6 +306,7 @@ ExpertOutputs experts_forward_cpu(const at::Tensor& input, const at::Tensor& gat
   at::parallel_for(0, N, row_grain(I), [&](int64_t begin, int64_t end) {
     k.swiglu_forward(x.scalar_type(), elem(gu, begin * 2 * I), elem_mut(a, begin * I), end - begin, I);
   });
+  // The gathered input has been used: rows now take each (token, expert)'s output.
   for_each_expert(offsets, [&](int64_t e, int64_t o, int64_t c) {
     if (c > 0) mm_into(rows.narrow(0, o, c), a.narrow(0, o, c), down[e].t());
   });

@@ -56,7 +56,8 @@ class FusedAttention:
     """q/k-norm, RoPE and causal GQA attention in one op (``hyperparallel::attention``).
 
     The projections stay HF's ``nn.Linear`` modules. Decoding steps that read a
-    filled KV cache, and masks longer than the sequence, take HF's path.
+    filled KV cache, masks longer than the sequence and calls that ask for the
+    attention weights (``output_attentions``) take HF's path.
     """
 
     def forward(
@@ -74,7 +75,8 @@ class FusedAttention:
             )
         seq = hidden_states.shape[-2]
         cached = past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0
-        if cached or (attention_mask is not None and tuple(attention_mask.shape[-2:]) != (seq, seq)):
+        longer_mask = attention_mask is not None and tuple(attention_mask.shape[-2:]) != (seq, seq)
+        if cached or longer_mask or kwargs.get("output_attentions"):
             return super().forward(
                 hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
             )

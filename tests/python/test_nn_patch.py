@@ -280,6 +280,21 @@ def test_generation_with_kv_cache_matches_hf():
     assert torch.equal(tokens[1], tokens[0])
 
 
+def test_attention_weights_come_from_hf_when_asked_for():
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    config._attn_implementation = "eager"
+    model, fused = build(config, seed=11)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref, got = (m(input_ids=ids, output_attentions=True) for m in (model, fused))
+    assert len(got.attentions) == len(ref.attentions) == config.num_hidden_layers
+    for a, b in zip(got.attentions, ref.attentions):
+        assert_close(a, b, **STRICT)
+    assert_close(got.logits, ref.logits, **STRICT)
+
+
 def test_torch_compile_matches_eager():
     config = make_config(
         "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2

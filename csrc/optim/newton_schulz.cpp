@@ -1,0 +1,119 @@
+#include "hyperparallel/optim/newton_schulz.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+
+namespace hp::optim {
+namespace {
+
+std::atomic<uint64_t> ns_calls{0}, ns_matrices{0};
+
+// Row panels of the symmetric products are about this tall. Thinner panels
+// skip more of the lower triangle, but the GEMM kernel runs less efficiently
+// on thinner operands; on AVX-512 cores with bfloat16 dot products, two
+// panels for 384 rows and three for 512 were the fastest, and one for 192.
+constexpr int64_t kPanelRows = 160;
+
+// Matrices go through all the steps a group at a time, the group's operands
+// about this size: several small matrices share each GEMM call, while large
+// ones go one by one so that the operands stay in cache between the GEMMs.
+constexpr int64_t kGroupBytes = int64_t(2) << 20;
+
+// Copies the upper triangle of the square matrix `a` onto its lower
+// triangle, a cache block at a time (a transposing copy through TensorIterator
+// is an element at a time).
+void mirror_upper(at::Tensor& a) {
+  constexpr int64_t kBlock = 32;
+  const int64_t m = a.size(0);
+  auto* data = reinterpret_cast<uint16_t*>(a.data_ptr());  // bfloat16 bits: a copy needs no arithmetic
+  for (int64_t ib = 0; ib < m; ib += kBlock)
+    for (int64_t jb = ib; jb < m; jb += kBlock)
+      for (int64_t i = ib; i < std::min(ib + kBlock, m); ++i)
+        for (int64_t j = std::max(jb, i + 1); j < std::min(jb + kBlock, m); ++j) data[j * m + i] = data[i * m + j];
+}
+
+// out = beta * c + alpha * a aᵀ for a batch, where out (and c, if defined) is
+// symmetric. Each row panel of the upper triangle is one GEMM, written in
+// place, and the triangle is then mirrored. Element (i, j) is the same dot
+// product, over the same k in the same order, as in the full GEMM, so the
+// result is bit for bit the full product's.
+void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha) {
+  const int64_t count = a.size(0), m = a.size(1);
+  const int64_t panels = std::max<int64_t>(1, (m + kPanelRows / 2) / kPanelRows);
+  if (panels == 1) {
+    if (c.defined())
+      at::baddbmm_out(out, c, a, a.transpose(1, 2), beta, alpha);
+    else
+      at::bmm_out(out, a, a.transpose(1, 2));
+    return;
+  }
+  // Per matrix: a panel of a strided batch would be copied to a contiguous
+  // one before the batched GEMM.
+  for (int64_t i = 0; i < count; ++i) {
+    at::Tensor result = out[i], factor = a[i];
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t begin = m * p / panels, rows = m * (p + 1) / panels - begin;
+      at::Tensor panel = result.narrow(0, begin, rows).narrow(1, begin, m - begin);
+      at::Tensor left = factor.narrow(0, begin, rows), right = factor.narrow(0, begin, m - begin).t();
+      if (c.defined())
+        at::addmm_out(panel, c[i].narrow(0, begin, rows).narrow(1, begin, m - begin), left, right, beta, alpha);
+      else
+        at::mm_out(panel, left, right);
+    }
+    mirror_upper(result);
+  }
+}
+
+}  // namespace
+
+void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
+  TORCH_CHECK(batch.dim() == 3 && batch.scalar_type() == at::kBFloat16 && batch.is_contiguous(),
+              "hp.optim Newton–Schulz: expected a contiguous bfloat16 batch [count, rows, cols], got ",
+              batch.scalar_type(), " of shape ", batch.sizes());
+  TORCH_CHECK(options.steps >= 0 && options.steps < 100, "hp.optim.Muon: ns_steps must be in [0, 100), got ",
+              options.steps, "; 5 is the usual choice");
+  const int64_t count = batch.size(0);
+  if (count == 0) return;
+  // torch iterates on the wide orientation (rows <= cols), so that the Gram
+  // matrix is the smaller one.
+  const bool tall = batch.size(1) > batch.size(2);
+  const int64_t m = std::min(batch.size(1), batch.size(2)), n = std::max(batch.size(1), batch.size(2));
+  const int64_t matrix_bytes = 2 * (2 * m * n + 2 * m * m);  // bfloat16 x, next, gram, update
+  const int64_t group = std::clamp<int64_t>(kGroupBytes / matrix_bytes, 1, count);
+  auto options_bf16 = batch.options();
+  at::Tensor x_buffer = at::empty({group, m, n}, options_bf16), next_buffer = at::empty_like(x_buffer);
+  at::Tensor gram_buffer = at::empty({group, m, m}, options_bf16), update_buffer = at::empty_like(gram_buffer);
+  for (int64_t first = 0; first < count; first += group) {
+    const int64_t size = std::min(group, count - first);
+    at::Tensor x = x_buffer.narrow(0, 0, size), next = next_buffer.narrow(0, 0, size);
+    at::Tensor gram = gram_buffer.narrow(0, 0, size), update = update_buffer.narrow(0, 0, size);
+    for (int64_t i = 0; i < size; ++i) {
+      // One norm per matrix, the very reduction torch runs, so that a
+      // different summation order cannot move the scale by a bfloat16 ulp.
+      at::Tensor matrix = tall ? batch[first + i].t() : batch[first + i];
+      at::Tensor norm = at::clamp(at::linalg_vector_norm(matrix, 2), options.eps);
+      at::Tensor normalised = x[i];
+      at::div_out(normalised, matrix, norm);
+    }
+    for (int64_t step = 0; step < options.steps; ++step) {
+      symmetric_product(gram, x, at::Tensor(), 0.0, 1.0);
+      symmetric_product(update, gram, gram, options.b, options.c);  // b G + c G Gᵀ, and G Gᵀ = G G
+      at::baddbmm_out(next, x, update, x, options.a, 1.0);
+      std::swap(x, next);
+    }
+    batch.narrow(0, first, size).copy_(tall ? x.transpose(1, 2) : x);
+  }
+  ns_calls.fetch_add(1, std::memory_order_relaxed);
+  ns_matrices.fetch_add(count, std::memory_order_relaxed);
+}
+
+NsStats ns_stats() { return NsStats{ns_calls.load(), ns_matrices.load()}; }
+
+void reset_ns_stats() {
+  ns_calls = 0;
+  ns_matrices = 0;
+}
+
+}  // namespace hp::optim

@@ -1,0 +1,157 @@
+// Muon with torch.optim.Muon's numerics, distributed without duplicated
+// Newton–Schulz: every matrix is orthogonalised exactly once in the job.
+//
+// A step, for parameters sharded over a data-parallel mesh (FSDP's DTensor
+// Shard(0), or HSDP's (Replicate, Shard(0))):
+// 1. Each rank updates the momentum of its own rows (elementwise, no
+//    communication) and writes its rows of the momentum-updated matrix, in
+//    bfloat16 (Newton–Schulz's input precision), into a node-shared buffer
+//    that holds every matrix once per node.
+// 2. Rows held only on other nodes reach an owner's node over c10d, between
+//    each rank and its counterparts (same local rank) on the other nodes.
+// 3. Every matrix has one owner in the whole job (all ranks, all replicas),
+//    chosen by a cost-balanced assignment (cost ∝ m·n·min(m,n)). The buffer
+//    keeps each owner's matrices of one shape contiguous, so the owner
+//    orthogonalises them in place as one batch.
+// 4. Each owner sends the rows of its results that other nodes hold to its
+//    counterparts there, a pool at a time while it orthogonalises the next;
+//    each rank applies its own rows of each update to its shard.
+// Inside a node nothing is copied between ranks: the buffer is the fabric's
+// shared memory and each hand-over is a wait (hp::comm::Window rounds).
+// Parameters that are not sharded (plain tensors) are orthogonalised by the
+// rank that holds them, in private memory, as torch.optim.Muon would.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "hyperparallel/comm/communicator.h"
+#include "hyperparallel/optim/assignment.h"
+#include "hyperparallel/optim/newton_schulz.h"
+
+namespace hp::optim {
+
+// torch.optim.Muon's adjust_lr_fn: None and "original" scale the learning
+// rate by sqrt(max(1, rows / cols)), "match_rms_adamw" by 0.2 sqrt(max(rows, cols)).
+enum class AdjustLr : uint8_t { Original, MatchRmsAdamw };
+
+// A parameter as the plan sees it.
+struct ParamSpec {
+  // Global shape: [rows, cols], or [experts, rows, cols] for a stack of
+  // expert matrices (each expert is one matrix).
+  std::vector<int64_t> shape;
+  // Split over the mesh's shard dimension on dim 0, torch.chunk-wise (FSDP's
+  // Shard(0)); otherwise this rank holds all of it.
+  bool sharded = false;
+  NsOptions ns;
+};
+
+// One step's hyperparameters of a parameter: those of its group.
+struct StepOptions {
+  double lr = 1e-3, weight_decay = 0.1, momentum = 0.95;
+  bool nesterov = true;
+  AdjustLr adjust_lr = AdjustLr::Original;
+};
+
+// The data-parallel mesh, indexed by global rank: each rank's coordinate on
+// the shard dimension and on the replicate dimension (0 on a 1-D mesh).
+struct MeshLayout {
+  std::vector<int64_t> shard, replica;
+};
+
+class Muon {
+ public:
+  // Builds the plan and allocates the node-shared buffer. Collective over
+  // every rank of the job when a parameter is sharded; then `comm` is the
+  // job's communicator and, on more than one node, `counterparts` is this
+  // rank's c10d group with its counterparts, one per node, ordered by node.
+  Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
+       c10::intrusive_ptr<c10d::ProcessGroup> counterparts);
+
+  // One optimizer step. Each list holds this rank's local tensors (the shard
+  // of a sharded parameter), in the order of the ParamSpecs. Updates params
+  // and momentum in place. Collective like the constructor.
+  void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+            const std::vector<at::Tensor>& momentum, const std::vector<StepOptions>& options);
+
+  // The matrices this rank orthogonalises each step: (parameter, expert).
+  std::vector<std::pair<int64_t, int64_t>> owned() const;
+  // Largest over mean Newton–Schulz cost of the ranks' sharded matrices.
+  double balance() const { return assignment_.balance(); }
+
+ private:
+  // Same-shape matrices with the same Newton–Schulz options, in one buffer.
+  struct Pool {
+    int64_t rows = 0, cols = 0;
+    NsOptions ns;
+    bool shared = false;  // in the node-shared buffer (sharded parameters)
+    int64_t count = 0;
+    int64_t offset = 0;  // bytes into the node-shared buffer
+    at::Tensor slots;    // [count, rows, cols] bfloat16
+    int64_t mine_begin = 0, mine_end = 0;  // this rank's slots, contiguous
+  };
+  struct Matrix {
+    int64_t param = 0, expert = 0;
+    int pool = 0;
+    int owner = 0;
+    int64_t slot = 0;
+  };
+  // Rows of a matrix that this rank holds in its local tensors.
+  struct Piece {
+    int64_t matrix = 0;
+    int64_t local_expert = -1;  // index into a local 3-D tensor; -1: the local tensor is the matrix's rows
+    int64_t row_begin = 0, row_count = 0;  // in the matrix
+    bool write = false;  // this rank writes these rows into the node's buffer
+  };
+  // Byte ranges of the node-shared buffer exchanged with each other node.
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;  // (offset, bytes)
+  struct Transfer {
+    std::vector<Ranges> send, recv;  // per node
+  };
+  // A transfer under way: c10d's work and the bytes it moves.
+  struct Pending {
+    const Transfer* transfer = nullptr;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor send, recv;
+  };
+
+  // The constructor's stages, in order.
+  void check_layout();
+  void plan_matrices();
+  void plan_owners();
+  void allocate_slots();
+  void plan_pieces();
+  void plan_transfers();
+  // Rows [begin, begin + count) of `matrix` that mesh shard `shard` holds (count 0: none).
+  std::pair<int64_t, int64_t> shard_rows(const Matrix& matrix, int64_t shard) const;
+  int64_t byte_offset(const Matrix& matrix, int64_t row) const;
+  int64_t writer(int node, int64_t shard) const;  // local rank, or -1
+  at::Tensor slot_rows(const Piece& piece) const;
+  static at::Tensor local_rows(const at::Tensor& local, const Piece& piece);
+  // Packs `transfer`'s ranges and starts the all-to-all between counterparts.
+  Pending start(const Transfer& transfer);
+  // Waits for it and unpacks what arrived into the node-shared buffer.
+  void finish(Pending& pending);
+  void check_locals(const std::vector<at::Tensor>& tensors, const char* what) const;
+
+  std::vector<ParamSpec> params_;
+  comm::Communicator* comm_ = nullptr;
+  MeshLayout mesh_;
+  c10::intrusive_ptr<c10d::ProcessGroup> counterparts_;
+  int rank_ = 0, world_ = 1, node_ = 0, nodes_ = 1, local_rank_ = 0, local_world_ = 1;
+  int64_t shards_ = 1, shard_ = 0;  // shards of the mesh, and this rank's
+  std::vector<Pool> pools_;
+  std::vector<Matrix> matrices_;
+  Assignment assignment_;
+  std::vector<std::vector<Piece>> pieces_;  // per parameter
+  std::optional<comm::Window> window_;      // the node-shared buffer
+  Transfer gather_;                // rows an owner's node lacks
+  std::vector<Transfer> results_;  // per pool: updates that other nodes hold rows of
+};
+
+}  // namespace hp::optim

@@ -1,0 +1,156 @@
+"""hp.optim.Muon in one process against torch.optim.Muon (torch 2.13), and its building blocks."""
+
+import pytest
+import torch
+from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz
+from torch.testing import assert_close
+
+import hyperparallel.optim as hpo
+from hyperparallel import _C
+
+NS = (3.4445, -4.775, 2.0315)
+# Wide, tall and square; several of one shape (a batch); 260+ rows or
+# columns make the symmetric products run in two row panels.
+SHAPES = [(24, 40), (40, 24), (32, 32), (32, 32), (7, 12), (1, 5), (260, 300), (300, 260)]
+
+
+def _params(shapes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(shape, generator=generator) * 0.1) for shape in shapes]
+
+
+def _set_grads(step, *param_lists):
+    generator = torch.Generator().manual_seed(1000 + step)
+    grads = [torch.randn(p.shape, generator=generator) for p in param_lists[0]]
+    for params in param_lists:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+
+
+def _step_both(steps, theirs, ours, reference, optimizer):
+    """Steps both optimizers on the same gradients; the parameters agree within 1e-6 after each step."""
+    for step in steps:
+        _set_grads(step, theirs, ours)
+        reference.step()
+        optimizer.step()
+        for p, q in zip(theirs, ours):
+            assert_close(q, p, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_updates_equal_torch_muon(adjust_lr_fn, nesterov, weight_decay):
+    theirs, ours = _params(SHAPES, 0), _params(SHAPES, 0)
+    kwargs = {"lr": 2e-3, "weight_decay": weight_decay, "nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn}
+    _step_both(range(10), theirs, ours, torch.optim.Muon(theirs, **kwargs), hpo.Muon(ours, **kwargs))
+
+
+def test_an_expert_stack_is_one_matrix_per_expert():
+    generator = torch.Generator().manual_seed(3)
+    stack = nn.Parameter(torch.randn(4, 12, 20, generator=generator))
+    experts = [nn.Parameter(stack.detach()[e].clone()) for e in range(4)]
+    optimizer = hpo.Muon([stack], lr=1e-2, adjust_lr_fn="match_rms_adamw")
+    reference = torch.optim.Muon(experts, lr=1e-2, adjust_lr_fn="match_rms_adamw")
+    for step in range(10):
+        grad = torch.randn(stack.shape, generator=generator)
+        stack.grad = grad.clone()
+        for e, p in enumerate(experts):
+            p.grad = grad[e].clone()
+        optimizer.step()
+        reference.step()
+    assert_close(stack.detach(), torch.stack([p.detach() for p in experts]), rtol=0, atol=1e-6)
+
+
+def test_param_groups_state_dict_and_zero_grad():
+    def groups(params):
+        return [
+            {"params": params[:3]},
+            {"params": params[3:], "lr": 5e-3, "momentum": 0.9, "nesterov": False},
+        ]
+
+    theirs, ours = _params(SHAPES, 1), _params(SHAPES, 1)
+    reference, optimizer = torch.optim.Muon(groups(theirs)), hpo.Muon(groups(ours))
+    _step_both(range(5), theirs, ours, reference, optimizer)
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in ours)
+
+    # The state dict is torch's, so either optimizer can resume from the other's.
+    state = optimizer.state_dict()
+    assert state["param_groups"][1]["lr"] == 5e-3
+    assert torch.equal(
+        state["state"][0]["momentum_buffer"], reference.state_dict()["state"][0]["momentum_buffer"]
+    )
+    resumed = hpo.Muon(groups(ours))
+    resumed.load_state_dict(state)
+    _step_both(range(5, 10), theirs, ours, reference, resumed)
+
+
+def test_same_shape_matrices_share_one_newton_schulz_call():
+    params = _params([(16, 8)] * 3 + [(8, 16)] + [(2, 16, 8)], 2)  # 5 matrices of (16, 8), 1 of (8, 16)
+    optimizer = hpo.Muon(params)
+    hpo.reset_stats()
+    for step in range(4):
+        _set_grads(step, params)
+        optimizer.step()
+    assert hpo.stats() == {"ns_calls": 2 * 4, "ns_matrices": 6 * 4}
+    assert sorted(optimizer.owned()) == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1)]
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7)])
+def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
+    # The symmetric products are computed a row panel at a time: each
+    # element is the same dot product, in the same order, as in torch's GEMM.
+    generator = torch.Generator().manual_seed(4)
+    batch = torch.randn(shape, generator=generator)
+    ours = batch.bfloat16()
+    _C.newton_schulz_(ours, _C.NsOptions(a=NS[0], b=NS[1], c=NS[2], steps=5, eps=1e-7))
+    for matrix, result in zip(batch, ours):
+        assert torch.equal(result, _zeropower_via_newtonschulz(matrix, NS, 5, 1e-7))
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(ValueError, match="give biases, norms and embeddings to AdamW"):
+        hpo.Muon([nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="use None, 'original' or 'match_rms_adamw'"):
+        hpo.Muon(_params([(4, 4)], 0), adjust_lr_fn="sqrt")
+    with pytest.raises(ValueError, match=r"ns_steps must be in \[0, 100\)"):
+        hpo.Muon(_params([(4, 4)], 0), ns_steps=100)
+    optimizer = hpo.Muon(_params([(4, 4)], 0))
+    with pytest.raises(ValueError, match="momentum must be >= 0"):
+        optimizer.add_param_group({"params": _params([(4, 4)], 1), "momentum": -0.5})
+    with pytest.raises(RuntimeError, match="call step"):
+        optimizer.owned()
+
+
+def test_the_split_gives_hidden_matrices_to_muon():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    muon, adamw = hpo.muon_with_adamw(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    muon_names = {names[id(p)] for p in muon.param_groups[0]["params"]}
+    adamw_names = {names[id(p)] for p in adamw.param_groups[0]["params"]}
+    assert muon_names.isdisjoint(adamw_names) and len(muon_names) + len(adamw_names) == len(names)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in muon_names  # 3-D: one matrix per expert
+    assert "model.layers.1.self_attn.q_proj.weight" in muon_names
+    assert "model.layers.1.mlp.gate.weight" in muon_names  # the router is a hidden matrix too
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adamw_names
+    assert all(
+        model.get_parameter(n).ndim == 1
+        for n in adamw_names - {"model.embed_tokens.weight", "lm_head.weight"}
+    )
+    assert muon.defaults["adjust_lr_fn"] == "match_rms_adamw" and adamw.defaults["betas"] == (0.9, 0.95)
