@@ -8,8 +8,21 @@ Example::
     hp.comm.all_reduce(t)
 """
 
+import importlib
+
 from hyperparallel import comm, fsdp
 from hyperparallel._C import FabricError
 from hyperparallel.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["FSDPModule", "FabricError", "MixedPrecisionPolicy", "OffloadPolicy", "comm", "fsdp", "fully_shard"]
+# Imported on first use: hp.nn pulls in transformers, which takes seconds.
+_LAZY = ("checkpoint", "nn", "optim")
+
+__all__ = [
+    "FSDPModule", "FabricError", "MixedPrecisionPolicy", "OffloadPolicy", "comm", "fsdp", "fully_shard", *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"hyperparallel.{name}")
+    raise AttributeError(f"module 'hyperparallel' has no attribute {name!r}")

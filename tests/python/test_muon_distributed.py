@@ -1,7 +1,7 @@
 """hp.optim.Muon on sharded models: the same parameters as one process, each matrix orthogonalised once.
 
-The sharding comes from SHARD_FNS, functions with fully_shard's signature;
-hp.fully_shard joins torch's FSDP2 there (same DTensor contract).
+The sharding comes from SHARD_FNS, functions with fully_shard's signature:
+hp.fully_shard and torch's FSDP2 (same DTensor contract).
 
 The single-process reference is torch.optim.Muon (one matrix per expert),
 fed the sharded run's own gradients. It could not compute them itself:
@@ -25,7 +25,7 @@ import hyperparallel as hp
 import hyperparallel.optim as hpo
 from hyperparallel.launch import run
 
-SHARD_FNS = {"torch_fsdp2": torch_fully_shard}
+SHARD_FNS = {"hp": hp.fully_shard, "torch_fsdp2": torch_fully_shard}
 STEPS = 10
 BATCH = 64  # more samples than any matrix dimension: full-rank, well-conditioned gradients
 
@@ -168,11 +168,15 @@ def test_fsdp_equals_one_process(shard_fn, nproc):
 @pytest.mark.parametrize("shard_fn", sorted(SHARD_FNS))
 @pytest.mark.parametrize("nnodes", [1, 2], ids=["replicas_in_one_node", "replica_per_node"])
 def test_hsdp_2x2_equals_one_process(shard_fn, nnodes):
+    if shard_fn == "hp" and nnodes == 1:
+        pytest.skip("hp.fully_shard shards within a node and replicates across nodes only")
     results = run(sharded_muon_matches_one_process, nproc=4 // nnodes, nnodes=nnodes, args=(shard_fn, (2, 2)))
     _check(results, 4)
 
 
 @pytest.mark.parametrize("shard_fn", sorted(SHARD_FNS))
 def test_fsdp_across_two_nodes_equals_one_process(shard_fn):
+    if shard_fn == "hp":
+        pytest.skip("hp.fully_shard shards within a node; across nodes it is HSDP (tested above)")
     # Rows a matrix's owner lacks come from the other node, and results go back, over c10d.
     _check(run(sharded_muon_matches_one_process, nproc=2, nnodes=2, args=(shard_fn, (4,))), 4)
