@@ -18,7 +18,8 @@ from hyperparallel.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, 
 _LAZY = ("checkpoint", "nn", "optim")
 
 __all__ = [
-    "FSDPModule", "FabricError", "MixedPrecisionPolicy", "OffloadPolicy", "comm", "fsdp", "fully_shard", *_LAZY,
+    "FSDPModule", "FabricError", "MixedPrecisionPolicy", "OffloadPolicy",
+    "checkpoint", "comm", "fsdp", "fully_shard", "nn", "optim",
 ]
 
 
