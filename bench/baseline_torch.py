@@ -1,0 +1,282 @@
+"""PyTorch FSDP2 + Muon: the baseline of the side-by-side benchmark (``../shared/bench/README.md``).
+
+``fully_shard`` on every decoder layer and on the root, Gloo, stock HF modules, fp32. Muon is
+applied the way FSDP2 users do it today: for each Muon parameter every rank gathers the whole
+(momentum-corrected) gradient with ``DTensor.full_tensor()``, runs ``torch.optim.Muon``'s
+Newton-Schulz on every matrix of it (one per expert for 3-D expert tensors), and applies only the
+rows of its own shard. AdamW runs on the sharded DTensors directly.
+
+Run ``python bench/baseline_torch.py --config qwen3-moe-small --steps 10 --nproc 2``; it spawns
+its own ranks and prints one JSON line. ``--check-single`` also runs the single-process reference
+and checks that the per-step losses agree. :func:`run_baseline` is the same run as a function,
+for ``bench/headline.py`` to alternate with hyperparallel in one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+# FSDP2 takes custom collectives through the public ``set_custom_all_gather`` /
+# ``set_custom_reduce_scatter``; subclassing its default implementations (private) is the least
+# intrusive way to time exactly the collective calls and nothing else.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+# isort: split
+# bench/ is not a package: its scripts run from it and import their shared helpers directly.
+from _bench_common import (
+    REFERENCE_SYSTEM,
+    OptimHparams,
+    RankResult,
+    RunSpec,
+    StepTimer,
+    SyntheticTokens,
+    add_run_args,
+    as_matrices,
+    build_model,
+    max_abs_diff,
+    peak_rss_bytes,
+    run_reference,
+    run_spec_from_args,
+    spawn_ranks,
+    split_params,
+    summarize,
+    train_steps,
+    weights_fingerprint,
+)
+
+SYSTEM = "torch-fsdp2-muon"
+# Default loss tolerance for --check-single (the brief's ~1e-5 on fp32 losses around 8).
+CHECK_TOL = 1e-5
+
+
+class TimedAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, with the time the caller spends in it charged to ``timer``.
+
+    On CPU FSDP2 issues its collectives synchronously (``async_op=False``; its streams are no-ops
+    on CPU), so the time inside the call is the time the rank waits on communication, including
+    waiting for the slower rank to arrive.
+    """
+
+    def __init__(self, timer: StepTimer) -> None:
+        super().__init__()
+        self._timer = timer
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self._timer.comm("fsdp_all_gather"):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class TimedReduceScatter(DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, timed like :class:`TimedAllGather`."""
+
+    def __init__(self, timer: StepTimer) -> None:
+        super().__init__()
+        self._timer = timer
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work:
+        with self._timer.comm("fsdp_reduce_scatter"):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+class GatheredMuon(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for FSDP2-sharded parameters, gathering every update in full.
+
+    Per parameter: the momentum buffer is a DTensor sharded like the parameter (momentum and the
+    Nesterov correction are elementwise, so they need no gather and the buffer costs 1/world of
+    a full copy); the Nesterov update is gathered with ``full_tensor()``; torch's own
+    ``_zeropower_via_newtonschulz`` orthogonalises each of its matrices -- all experts of a 3-D
+    tensor, as a generic FSDP2 Muon does, although this rank keeps only its own experts' rows --
+    and the rank applies its rows with torch's decoupled weight decay and ``_adjust_lr`` of the
+    matrix shape. Numerically this is :class:`_bench_common.MatrixMuon` on the full tensors.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], hparams: OptimHparams, timer: StepTimer) -> None:
+        super().__init__(params, hparams.muon_defaults())
+        self._timer = timer
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            lr = group["lr"]
+            momentum = group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if not isinstance(param, DTensor):
+                    raise TypeError("GatheredMuon expects FSDP2-sharded (DTensor) parameters")
+                grad = param.grad
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                with self._timer.comm("muon_gather"):
+                    full_update = update.full_tensor()
+                # NS returns bf16: keep it so, as torch.optim.Muon adds the bf16 result directly.
+                ortho = torch.empty(full_update.shape, dtype=torch.bfloat16)
+                for out, matrix in zip(as_matrices(ortho), as_matrices(full_update), strict=True):
+                    out.copy_(
+                        _zeropower_via_newtonschulz(
+                            matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                        )
+                    )
+                # src_data_rank=None: every rank holds the whole result, so sharding it is a
+                # local slice, not a scatter.
+                own_rows = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(
+                    own_rows,
+                    alpha=-_adjust_lr(lr, group["adjust_lr_fn"], full_update.shape[-2:]),
+                )
+
+
+def _shard(model: nn.Module, world_size: int, reshard_after_forward: bool) -> None:
+    """``fully_shard`` every decoder layer, then the root (embedding, final norm, lm_head)."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _time_fsdp_collectives(model: nn.Module, timer: StepTimer) -> None:
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(TimedAllGather(timer))
+            module.set_custom_reduce_scatter(TimedReduceScatter(timer))
+
+
+def _baseline_rank(
+    rank: int,
+    world_size: int,
+    spec: RunSpec,
+    hparams: OptimHparams,
+    reshard_after_forward: bool,
+) -> RankResult:
+    dist.init_process_group("gloo")
+    try:
+        model = build_model(spec.config_path, spec.seed)
+        fingerprint = weights_fingerprint(model)
+        fingerprints: list[str | None] = [None] * world_size
+        dist.all_gather_object(fingerprints, fingerprint)
+        if len(set(fingerprints)) != 1:
+            raise RuntimeError(f"rank {rank}: seeded init differs across ranks: {fingerprints}")
+
+        _shard(model, world_size, reshard_after_forward)
+        timer = StepTimer()
+        _time_fsdp_collectives(model, timer)
+        muon_params, adamw_params = split_params(model.named_parameters())
+        tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
+        records = train_steps(
+            model,
+            GatheredMuon(muon_params, hparams, timer),
+            hparams.make_adamw(adamw_params),
+            lambda step: [tokens.batch(step, spec, rank)],
+            spec.steps,
+            hparams,
+            timer,
+            sync=dist.barrier,
+        )
+        return RankResult(records, peak_rss_bytes(), fingerprint)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_baseline(
+    spec: RunSpec, reshard_after_forward: bool = True, hparams: OptimHparams | None = None
+) -> dict[str, Any]:
+    """One FSDP2 + Muon run over ``spec.nproc`` freshly spawned ranks; the protocol's report."""
+    results = spawn_ranks(_baseline_rank, spec.nproc, spec, hparams or OptimHparams(), reshard_after_forward)
+    return summarize(SYSTEM, spec, results, reshard_after_forward=reshard_after_forward)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(parser)
+    parser.add_argument(
+        "--reshard-after-forward",
+        type=_parse_bool,
+        default=True,
+        metavar="{true,false}",
+        help="FSDP2 reshard_after_forward for the layers and the root (default: true)",
+    )
+    parser.add_argument(
+        "--check-single",
+        action="store_true",
+        help="also train the single-process full-tensor reference (per-rank micro-batches and "
+        "global batch) and check the per-step losses against the former",
+    )
+    parser.add_argument(
+        "--tol", type=float, default=CHECK_TOL, help="max |loss diff| allowed by --check-single"
+    )
+    args = parser.parse_args(argv)
+    spec = run_spec_from_args(args)
+
+    report = run_baseline(spec, args.reshard_after_forward)
+    print(json.dumps(report), flush=True)
+    if not args.check_single:
+        return 0
+
+    # The per-rank form must agree to the last bits; the global-batch form shows how far two
+    # correct implementations drift apart through reassociation alone (reported, not checked).
+    exact = run_reference(spec, split_like_ranks=True)
+    global_batch = run_reference(spec, split_like_ranks=False)
+    for reference in (exact, global_batch):
+        print(json.dumps(reference), flush=True)
+    diff = max_abs_diff(report["losses"], exact["losses"])
+    same_init = report["weights_fingerprint"] == exact["weights_fingerprint"]
+    ok = same_init and diff <= args.tol
+    print(
+        json.dumps(
+            {
+                "check": f"{SYSTEM} vs {REFERENCE_SYSTEM}",
+                "same_initial_weights": same_init,
+                "max_abs_loss_diff": diff,
+                "tol": args.tol,
+                "ok": ok,
+                "global_batch_max_abs_loss_diff": max_abs_diff(report["losses"], global_batch["losses"]),
+            }
+        ),
+        flush=True,
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
