@@ -211,11 +211,7 @@ def fully_shard(
                        None if reshard_after_forward is None else bool(reshard_after_forward), mp_policy)
     for m in modules:
         state.find_owners(m, params)
-    state.reshard()  # register the DTensor parameters
-    state.unsharded = False
-    for ref in state.refs:
-        for owner, name in ref.owners:
-            owner._parameters[name] = ref.sharded
+    state.register(unsharded=False)  # the DTensor parameters replace the originals
     for m in modules:
         m._hp_state = state
         m.register_forward_pre_hook(_pre_forward, with_kwargs=True)

@@ -101,7 +101,8 @@ class GroupState:
                 if ref is not None:
                     ref.owners.append((module, name))
 
-    def _register(self, unsharded: bool) -> None:
+    def register(self, unsharded: bool) -> None:
+        """Make the full (or the sharded) parameters the ones every owner module holds."""
         for ref in self.refs:
             param = ref.unsharded if unsharded else ref.sharded
             for module, name in ref.owners:
@@ -115,11 +116,11 @@ class GroupState:
         start = time.perf_counter()
         self.cgroup.wait_unshard()
         _comm_wait[0] += time.perf_counter() - start
-        self._register(unsharded=True)
+        self.register(unsharded=True)
 
     def reshard(self) -> None:
         if self.unsharded:
-            self._register(unsharded=False)
+            self.register(unsharded=False)
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.unshard()
