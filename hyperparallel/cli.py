@@ -1,0 +1,47 @@
+"""The ``hyperparallel`` command: a table of subcommands, each a function taking its argv.
+
+Adding a subcommand is one line in ``COMMANDS``: its words and ``"module:function"``
+(imported only when that subcommand runs, so ``hyperparallel --help`` is quick).
+
+Example::
+
+    hyperparallel train examples/default.yaml --nproc 2
+    hyperparallel data prepare examples/data/stories.txt --out runs/data/stories.bin
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("train",): ("hyperparallel.trainer.run:main", "train a model from a YAML config (docs/train.md)"),
+    ("data", "prepare"): ("hyperparallel.trainer.data:prepare_cli", "tokenize text files into a token file"),
+}
+
+
+def _usage() -> str:
+    width = max(len(" ".join(words)) for words in COMMANDS)
+    rows = "\n".join(f"  {' '.join(words):<{width}}  {help_}" for words, (_, help_) in COMMANDS.items())
+    return f"usage: hyperparallel COMMAND [ARGS...]\n\ncommands:\n{rows}\n\n'hyperparallel COMMAND --help' for more"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to the longest matching subcommand."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for words in sorted(COMMANDS, key=len, reverse=True):
+        if tuple(argv[: len(words)]) == words:
+            target, _ = COMMANDS[words]
+            module, _, function = target.partition(":")
+            status = getattr(importlib.import_module(module), function)(argv[len(words):])
+            return int(status or 0)
+    if argv and argv[0] not in ("-h", "--help"):
+        print(f"hyperparallel: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    print(_usage())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""``hyperparallel train``: a YAML-driven trainer over hp.fully_shard, hp.nn and hp.optim.
+
+Modules, one idea each: ``config`` (the keys and their checks), ``data`` (token
+files and the loader), ``model`` (build, patch, checkpoint activations, shard),
+``optim`` (optimizers, LR schedule, clipping), ``state`` (checkpoints),
+``loop`` (one rank's training loop), ``report`` (progress, metrics, plot,
+summary), ``estimate`` (the dry-run memory estimate), ``run`` (the CLI).
+
+Example::
+
+    hyperparallel train examples/default.yaml --nproc 2 train.steps=50
+"""
+
+from hyperparallel.trainer.config import Config, ConfigError, load_config
+
+__all__ = ["Config", "ConfigError", "load_config"]

@@ -1,0 +1,124 @@
+"""Build the model a config asks for: HF config or weights, fused modules, activation checkpointing, FSDP."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyperparallel.trainer.config import Config
+
+
+def hf_config(cfg: Config):
+    """The model's ``transformers`` config, set up for training (no KV cache)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    source = cfg.model.pretrained if cfg.model.pretrained is not None else cfg.model.config
+    config = AutoConfig.from_pretrained(source)
+    config.use_cache = False
+    return config
+
+
+def build(cfg: Config, *, device: str | torch.device = "cpu") -> nn.Module:
+    """The causal LM, fp32, unsharded: fresh weights from ``model.seed``, or ``model.pretrained``'s.
+
+    ``device="meta"`` builds shapes only (the dry-run estimate).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(cfg)
+    torch.manual_seed(cfg.model.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if cfg.model.pretrained is not None and device != "meta":
+        import hyperparallel.nn as hpnn
+
+        hpnn.load_pretrained(model, cfg.model.pretrained)
+    if cfg.model.patch:
+        import hyperparallel.nn as hpnn
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unpatched modules are listed by the plan instead
+            hpnn.patch(model)
+    return model.train()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (each becomes one FSDP group): ``model.model.layers`` in HF causal LMs."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no .model.layers: the trainer shards HF decoder-only models")
+    return list(layers)
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Activation checkpointing: each decoder layer keeps only its inputs and recomputes in backward.
+
+    The layer's ``forward`` is wrapped, not ``__call__``: FSDP's hooks run once per
+    forward, and the recomputation reads the full parameters the layer holds until its
+    post-backward.
+    """
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def mixed_precision(cfg: Config):
+    """The MixedPrecisionPolicy for ``model.mixed_precision``: bf16 compute, fp32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.model.mixed_precision == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: nn.Module, cfg: Config, mesh) -> None:
+    """``hp.fully_shard`` on every decoder layer, then the root (one group each)."""
+    import hyperparallel as hp
+
+    policy = mixed_precision(cfg)
+    # With activation checkpointing the recomputation in backward reads the layer's
+    # parameters: keep the full ones registered after forward (they live in shared
+    # memory once per node either way, so this costs no memory).
+    reshard = False if cfg.model.activation_checkpointing else None
+    for layer in decoder_layers(model):
+        hp.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    hp.fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def build_mesh():
+    """1-D data-parallel mesh on one node; (nodes, ranks per node) HSDP across nodes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hyperparallel as hp
+
+    topology = hp.comm.init().topology
+    if topology.num_nodes > 1:
+        return init_device_mesh(
+            "cpu", (topology.num_nodes, topology.local_world_size), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """Total parameters, and those active per token for a MoE (top-k of the experts)."""
+    total = sum(p.numel() for p in model.parameters())
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_experts", 0) or 0
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - expert_params + (expert_params * top_k // experts if experts else 0)
+    return {"total": total, "active": active, "experts": expert_params}
+
+
+def describe_source(cfg: Config) -> str:
+    if cfg.model.pretrained is not None:
+        return f"weights from {Path(cfg.model.pretrained)}"
+    return f"fresh weights (seed {cfg.model.seed}) from {Path(cfg.model.config)}"

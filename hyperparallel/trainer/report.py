@@ -1,0 +1,151 @@
+"""What a run shows and leaves behind: progress bar, metrics.jsonl, loss plot, summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size from the OS (``VmHWM``)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def rss_bytes() -> int:
+    """This process's current resident set size (``VmRSS``)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def human(n: float, unit: str = "") -> str:
+    for suffix in ("", "k", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{suffix}{unit}" if suffix or n != int(n) else f"{int(n)}{unit}"
+        n /= 1000
+    return f"{n:.3g}P{unit}"
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line every ``every`` steps when stderr is not a terminal)."""
+
+    def __init__(self, total: int, start: int, every: int, enabled: bool) -> None:
+        self.total, self.start, self.every, self.enabled = total, start, every, enabled
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step - self.start
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.total - step) if done else 0.0
+        frac = step / self.total
+        bar = ("=" * int(24 * frac)).ljust(24)
+        line = (f"step {step}/{self.total} [{bar}] {100 * frac:3.0f}% | loss {loss:.4f} | lr {lr:.2e} | "
+                f"{human(tokens_per_s)} tok/s | {duration(elapsed)}<{duration(eta)}")
+        if self.tty:
+            sys.stderr.write("\r" + line + "\x1b[K")
+            if step == self.total:
+                sys.stderr.write("\n")
+        elif step % self.every == 0 or step == self.total or done == 1:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+
+class Metrics:
+    """Appends one JSON object per step to ``metrics.jsonl`` (rank 0)."""
+
+    def __init__(self, path: Path, keep_until: int) -> None:
+        self.path = path
+        if path.exists():  # resuming: drop steps after the checkpoint, they are redone
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= keep_until]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot(metrics_path: Path, out: Path) -> Path:
+    """Loss and tokens/s against step, as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax_loss.plot(steps, [r["loss"] for r in records], lw=1.2)
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.set_title(f"hyperparallel train: {metrics_path.parent.name}")
+    ax_tps.plot(steps, [r["tokens_per_s"] for r in records], lw=1.0, color="tab:green")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step")
+    ax_tps.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """The one-screen summary printed at the end of a run."""
+    s = summary
+    split = s["time_split_s"]
+    total = sum(split.values()) or 1.0
+    parts = " | ".join(f"{name.replace('_', ' ')} {100 * t / total:.0f}%" for name, t in split.items())
+    rss = ", ".join(f"{r / MIB:.0f}" for r in s["peak_rss_bytes_per_rank"])
+    est = s.get("estimate_bytes_per_rank")
+    est_text = f" (dry-run estimate {est / MIB:.0f} MiB)" if est else ""
+    p = s["params"]
+    lines = [
+        f"hyperparallel train: {s['steps_run']} steps in {duration(s['wall_s'])}, "
+        f"{human(s['tokens'])} tokens, {human(s['tokens_per_s'])} tokens/s (median step {s['step_s_median']:.3f} s)",
+        f"  model    {s['model']}: {human(p['total'])} params ({human(p['active'])} active per token), "
+        f"{s['world_size']} ranks, {s['optimizer']}, {s['precision']}, patch {'on' if s['patch'] else 'off'}, "
+        f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}",
+        f"  batch    {s['global_batch']} x {s['seq_len']} tokens per step = {s['micro_batch']} per rank x "
+        f"{s['accumulation']} micro-batches x {s['world_size']} ranks",
+        f"  loss     {s['first_loss']:.4f} (step {s['first_step']}) -> {s['last_loss']:.4f} (step {s['last_step']})",
+        f"  memory   peak RSS per rank (MiB): {rss}{est_text}",
+        f"  time     {parts}  (per step, mean over ranks)",
+        f"  outputs  {s['output_dir']}: metrics.jsonl, summary.json"
+        + (", loss.png" if s.get("plot") else "")
+        + (f", {s['checkpoint']}" if s.get("checkpoint") else ""),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""``hyperparallel train CONFIG.yaml [--nproc N] [key=value ...]``: check, prepare, launch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hyperparallel.trainer import data as data_lib
+from hyperparallel.trainer.config import Config, ConfigError, check_files, check_world, load_config
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperparallel train",
+        description="Train a HF causal LM on a token file with hp.fully_shard, hp.nn and Muon (docs/train.md).",
+        epilog="example: hyperparallel train examples/default.yaml --nproc 2 train.steps=50",
+    )
+    parser.add_argument("config", help="YAML config (docs/train.md lists every key)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. optim.lr=1e-3")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks on this machine (default 1; under torchrun its --nproc-per-node)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and the memory estimate per rank, train nothing")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in output.dir, deleting what a previous run left there")
+    return parser
+
+
+def check_output(cfg: Config, overwrite: bool) -> str:
+    """What to do with ``output.dir``: "fresh", "resume" or "done"; raises ConfigError if it holds a run.
+
+    Nothing is deleted here; :func:`clear_output` does that for ``--overwrite``.
+    """
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: {out} is a file; set output.dir to a directory")
+    if overwrite or not out.exists() or not any(out.iterdir()):
+        return "fresh"
+    from hyperparallel.trainer.state import has_checkpoint
+
+    if cfg.checkpoint.resume and has_checkpoint(out / "checkpoints"):
+        return "resume"
+    raise ConfigError(
+        f"output.dir: {out} already holds a run ({', '.join(sorted(p.name for p in out.iterdir())[:4])}) "
+        f"and nothing to resume from; pass --overwrite to replace it, or set output.dir to a new directory"
+    )
+
+
+def clear_output(cfg: Config) -> None:
+    out = Path(cfg.output.dir)
+    if out.is_dir():
+        shutil.rmtree(out)
+
+
+def ensure_tokens(cfg: Config) -> None:
+    """Make ``data.tokens`` from ``data.prepare`` if it does not exist (one process per node)."""
+    if Path(cfg.data.tokens).is_file():
+        return
+    p = cfg.data.prepare
+    print(f"hyperparallel train: {cfg.data.tokens} is missing; tokenizing {', '.join(p.text)} "
+          f"({'training a BPE of ' + str(p.vocab_size) if p.tokenizer == 'bpe' else p.tokenizer})", flush=True)
+    meta = data_lib.prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size,
+                            eos_token=p.eos_token)
+    print(f"hyperparallel train: wrote {cfg.data.tokens}: {meta['num_tokens']:,} tokens", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """The ``train`` subcommand; returns the exit status."""
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        nproc = args.nproc or 1
+        if args.nproc is not None and args.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else nproc
+        check_world(cfg, world)
+        if args.dry_run:
+            check_files(cfg)
+            from hyperparallel.trainer.estimate import dry_run
+
+            print(dry_run(cfg, world))
+            return 0
+        check_files(cfg)
+        mode = check_output(cfg, args.overwrite)
+    except ConfigError as error:
+        print(f"hyperparallel train: {error}", file=sys.stderr)
+        return 2
+    if _under_torchrun():
+        return _as_torchrun_rank(cfg, args.overwrite, mode)
+    if mode == "fresh" and args.overwrite:
+        clear_output(cfg)
+    ensure_tokens(cfg)
+    estimate = _estimate_bytes(cfg, world)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from hyperparallel.launch import run
+    from hyperparallel.trainer.loop import rank_main
+
+    try:
+        run(rank_main, nproc=nproc, args=(cfg.to_dict(), estimate))
+    except ChildFailedError as error:
+        rank, first = error.get_first_failure()
+        print(f"hyperparallel train: rank {rank} failed (exit code {first.exitcode}); "
+              f"its error is above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _estimate_bytes(cfg: Config, world: int) -> int | None:
+    try:
+        from hyperparallel.trainer.estimate import estimate
+
+        return estimate(cfg, world).total
+    except Exception:  # noqa: BLE001 -- the estimate is a report line, never a reason not to train
+        return None
+
+
+def _as_torchrun_rank(cfg: Config, overwrite: bool, mode: str) -> int:
+    """Every rank of a torchrun job runs the CLI: local rank 0 prepares, global rank 0 clears."""
+    import torch.distributed as dist
+
+    import hyperparallel as hp
+    from hyperparallel.trainer.loop import rank_main
+
+    hp.comm.init()
+    if dist.get_rank() == 0 and mode == "fresh" and overwrite:
+        clear_output(cfg)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        ensure_tokens(cfg)
+    dist.barrier()
+    rank_main(cfg.to_dict(), None)
+    return 0
