@@ -15,6 +15,7 @@ working directory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import difflib
 import types
 import typing
@@ -224,7 +225,7 @@ def _coerce(key: str, value: Any, hint: Any, default: Any) -> Any:
 
 
 def _wrong(key: str, value: Any, hint: Any, default: Any) -> ConfigError:
-    example = f" (the default is {yaml.safe_dump(default, default_flow_style=True).strip()})"
+    example = f" (the default is {json.dumps(default)})"
     if default is None or dataclasses.is_dataclass(default):
         example = ""
     return ConfigError(

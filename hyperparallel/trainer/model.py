@@ -25,17 +25,18 @@ def hf_config(cfg: Config):
     return config
 
 
-def build(cfg: Config, *, device: str | torch.device = "cpu") -> nn.Module:
+def build(cfg: Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """The causal LM, fp32, unsharded: fresh weights from ``model.seed``, or ``model.pretrained``'s.
 
-    ``device="meta"`` builds shapes only (the dry-run estimate).
+    ``device="meta"`` builds shapes only (the dry-run estimate); ``dtype`` is for such
+    shape-only models too (training keeps fp32 weights).
     """
     from transformers import AutoModelForCausalLM
 
     config = hf_config(cfg)
     torch.manual_seed(cfg.model.seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     if cfg.model.pretrained is not None and device != "meta":
         import hyperparallel.nn as hpnn
 

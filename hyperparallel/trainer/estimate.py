@@ -1,0 +1,240 @@
+"""``--dry-run``: the plan of a run and its memory per rank, without running it.
+
+Memory is what the OS will count for each rank (peak resident set size), in parts:
+
+- **runtime**: the interpreter, torch, transformers and hyperparallel once imported,
+  measured in this process (which imports the same modules), plus what a rank adds
+  before the model exists (process group, fabric, thread pools; a measured constant);
+- **parameters**: the full fp32 parameters live once per node in shared memory, and
+  every rank reads all of them in forward, so every rank's RSS counts them; bf16
+  mixed precision adds a bf16 copy;
+- **gradients**: this rank's fp32 shard of every gradient, the full gradients of the
+  group being reduced (autograd's, and this rank's slot of the node's gradient window,
+  of which it also reads its rows in every other slot);
+- **optimizer state**: AdamW's two moments and Muon's momentum for this rank's rows,
+  and Muon's node-shared bf16 matrices (this rank's rows and the matrices it
+  orthogonalises) with its Newton-Schulz workspace;
+- **activations**: the tensors autograd keeps between forward and backward for one
+  micro-batch, measured by running the model's forward on fake tensors (shapes only,
+  no memory) and counting what autograd saves; with activation checkpointing, each
+  decoder layer keeps its input and one layer is recomputed at a time; plus the
+  logits' gradient buffers at the start of backward;
+- **data**: the memory-mapped token file's pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hyperparallel.trainer import model as model_lib
+from hyperparallel.trainer.config import Config
+from hyperparallel.trainer.report import MIB, human, rss_bytes
+
+# What a rank holds beyond this process's imports before it builds the model: Gloo's
+# process group and threads, the fabric's segments and signalling channels, torch's
+# intra-op pool, the launcher's environment. Measured on 2-8 ranks (peak RSS of a rank
+# that stops right after hp.comm.init minus the dry-run process's RSS).
+RANK_OVERHEAD_BYTES = 60 * MIB
+# The allocator keeps freed blocks for reuse; peak RSS runs above the live bytes by
+# about this fraction of what the step allocates and frees (activations, gradients).
+ALLOCATOR_SLACK = 0.15
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank by part (see the module docstring); ``total`` is the peak RSS estimate."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def table(self) -> str:
+        width = max(len(k) for k in self.parts)
+        rows = [f"    {name:<{width}}  {value / MIB:9.1f} MiB   {self.notes.get(name, '')}"
+                for name, value in self.parts.items()]
+        rows.append(f"    {'total':<{width}}  {self.total / MIB:9.1f} MiB   peak RSS per rank")
+        return "\n".join(rows)
+
+
+def _fake_model(cfg: Config, dtype: torch.dtype):
+    """The model (patched, in ``dtype``) made of fake tensors: shapes without memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = model_lib.build(cfg, device="cpu", dtype=dtype)
+    return model, mode
+
+
+def activation_bytes(cfg: Config) -> tuple[int, int, int]:
+    """(saved bytes of one micro-batch's forward, of which in decoder layers, the largest saved tensor).
+
+    The forward runs on fake tensors; every tensor autograd saves is counted once
+    (views share a storage), parameters excluded.
+    """
+    dtype = torch.bfloat16 if cfg.model.mixed_precision == "bfloat16" else torch.float32
+    model, mode = _fake_model(cfg, dtype)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, int] = {}
+    in_layers = [0]
+    inside = [False]
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in params and key not in saved:
+            saved[key] = storage.nbytes()
+            if inside[0]:
+                in_layers[0] += storage.nbytes()
+        return t
+
+    def enter(*_):
+        inside[0] = True
+
+    def leave(*_):
+        inside[0] = False
+
+    hooks = []
+    for layer in model_lib.decoder_layers(model):
+        hooks.append(layer.register_forward_pre_hook(enter))
+        hooks.append(layer.register_forward_hook(leave))
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ids = torch.zeros(cfg.train.micro_batch, cfg.data.seq_len, dtype=torch.long)
+        model(input_ids=ids, labels=ids)
+    for hook in hooks:
+        hook.remove()
+    return sum(saved.values()), in_layers[0], max(saved.values(), default=0)
+
+
+def _groups(model: nn.Module) -> list[int]:
+    """Parameter count of each FSDP group: each decoder layer, then the rest (the root)."""
+    layers = model_lib.decoder_layers(model)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return [*sizes, sum(p.numel() for p in model.parameters()) - sum(sizes)]
+
+
+def runtime_bytes() -> int:
+    """RSS of this process once it has imported what a rank imports."""
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers  # noqa: F401
+
+    import hyperparallel.nn  # noqa: F401
+    import hyperparallel.optim  # noqa: F401
+
+    return rss_bytes()
+
+
+def estimate(cfg: Config, world: int) -> Estimate:
+    """Peak resident memory per rank for ``cfg`` on ``world`` ranks (one node)."""
+    from hyperparallel.optim import muon_param_split
+
+    model = model_lib.build(cfg, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    groups = _groups(model)
+    bf16 = cfg.model.mixed_precision == "bfloat16"
+    compute_size = 2 if bf16 else 4
+    if cfg.optim.name == "muon":
+        muon, adamw = muon_param_split(model)
+        n_muon, n_adamw = sum(p.numel() for p in muon), sum(p.numel() for p in adamw)
+        largest_matrix = max((p[0].numel() if p.ndim == 3 else p.numel() for p in muon), default=0)
+    else:
+        n_muon, n_adamw, largest_matrix = 0, n, 0
+    share = 1 / world
+    total_act, layer_act, largest = activation_bytes(cfg)
+    layers = len(model_lib.decoder_layers(model))
+    if cfg.model.activation_checkpointing:
+        hidden = model.config.hidden_size
+        layer_inputs = layers * cfg.train.micro_batch * cfg.data.seq_len * hidden * (2 if bf16 else 4)
+        activations = total_act - layer_act + layer_inputs + layer_act // max(1, layers)
+        act_note = "layer inputs + one layer recomputed + the rest (fake-tensor trace)"
+    else:
+        activations = total_act
+        act_note = f"{cfg.train.micro_batch} x {cfg.data.seq_len} tokens (fake-tensor trace)"
+    biggest_group = max(groups)
+    grads = (
+        n * share * 4  # sharded fp32 gradients
+        + 2 * biggest_group * compute_size  # autograd's full gradients in flight
+        + 2 * biggest_group * 4 * (1 + (world - 1) * share)  # gradient windows: own slot + own rows elsewhere
+    )
+    optimizer = n_adamw * share * 8 + n_muon * share * 4
+    if n_muon:
+        optimizer += n_muon * 2 * 2 * share  # shared bf16 matrices: own rows, owned matrices
+        optimizer += 6 * largest_matrix * 4  # Newton-Schulz workspace of one batch
+    transient = 2 * largest  # the logits' gradient and softmax buffers at the start of backward
+    parts = {
+        "runtime": runtime_bytes() + RANK_OVERHEAD_BYTES,
+        "parameters": n * 4 + (n * 2 if bf16 else 0),
+        "gradients": int(grads),
+        "optimizer state": int(optimizer),
+        "activations": int(activations + transient + ALLOCATOR_SLACK * (activations + grads)),
+        "data": _data_bytes(cfg),
+    }
+    notes = {
+        "runtime": "interpreter, torch, transformers, hyperparallel (measured) + rank set-up",
+        "parameters": f"{human(n)} fp32, node-shared, read whole by every rank" + (" + bf16 copy" if bf16 else ""),
+        "gradients": f"1/{world} fp32 shard + the largest group ({human(biggest_group)}) in flight",
+        "optimizer state": (f"Muon {human(n_muon)} (momentum shard, shared bf16), AdamW {human(n_adamw)} (2 moments)"
+                            if n_muon else f"AdamW {human(n_adamw)}: two moments of 1/{world}"),
+        "activations": act_note,
+        "data": "memory-mapped token file",
+    }
+    return Estimate(parts, notes)
+
+
+def _data_bytes(cfg: Config) -> int:
+    path = Path(cfg.data.tokens)
+    if path.is_file():
+        return path.stat().st_size
+    # Not made yet: about one token per 4 bytes of text, 2 bytes a token.
+    return sum(Path(t).stat().st_size for t in cfg.data.prepare.text if Path(t).is_file()) // 2
+
+
+def dry_run(cfg: Config, world: int) -> str:
+    """The plan and the memory estimate, as printed by ``hyperparallel train --dry-run``."""
+    model = model_lib.build(cfg, device="meta")
+    params = model_lib.count_params(model)
+    groups = _groups(model)
+    accumulation = cfg.accumulation(world)
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    est = estimate(cfg, world)
+    mc = model.config
+    experts = getattr(mc, "num_experts", 0)
+    moe = f", {experts} experts top-{mc.num_experts_per_tok}" if experts else ""
+    opt = ("Muon (hidden matrices, expert stacks) + AdamW (embeddings, head, norms)" if cfg.optim.name == "muon"
+           else "AdamW")
+    checkpoint = (f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "no periodic") + (
+        " + final" if cfg.checkpoint.final else "") + f", keep {cfg.checkpoint.keep_last}"
+    lines = [
+        "hyperparallel train --dry-run: the plan",
+        f"  model       {type(model).__name__}: {human(params['total'])} params "
+        f"({human(params['active'])} active per token), {mc.num_hidden_layers} layers, hidden {mc.hidden_size}"
+        f"{moe}, vocab {mc.vocab_size}; {model_lib.describe_source(cfg)}",
+        f"  modules     {'hp.nn fused (patch on)' if cfg.model.patch else 'stock HF (patch off)'}, "
+        f"activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}, "
+        f"{cfg.model.mixed_precision}",
+        f"  sharding    hp.fully_shard over {world} ranks: {len(groups) - 1} decoder layers + root "
+        f"({len(groups)} groups, largest {human(max(groups))} params)",
+        f"  batch       {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens_per_step:,} tokens "
+        f"per step: {cfg.train.micro_batch} per rank x {accumulation} micro-batches x {world} ranks",
+        f"  run         {cfg.train.steps} steps = {human(cfg.train.steps * tokens_per_step)} tokens"
+        + (f" (stopping at {cfg.train.stop_at})" if cfg.train.stop_at else ""),
+        f"  optimizer   {opt}; lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}, cosine to "
+        f"{cfg.optim.lr * cfg.optim.min_lr_ratio:g}; clip {cfg.train.max_grad_norm:g}",
+        f"  data        {cfg.data.tokens}" + ("" if Path(cfg.data.tokens).is_file() else
+                                              f" (made from {', '.join(cfg.data.prepare.text)})"),
+        f"  checkpoints {checkpoint}, in {Path(cfg.output.dir) / 'checkpoints'}",
+        "",
+        "memory per rank (estimate):",
+        est.table(),
+        f"  x {world} ranks on this node: {est.total * world / MIB / 1024:.2f} GiB RSS in all (shared pages "
+        f"counted once per rank; the node holds parameters once: {math.ceil(params['total'] * 4 / MIB)} MiB)",
+    ]
+    return "\n".join(lines)
