@@ -1,0 +1,104 @@
+"""hyperparallel train end to end: 2 real ranks through the real command, on the embedded default.
+
+One shortened default run (data prepared on the way) is shared by the tests: its loss
+must fall and its outputs exist; a run stopped half-way and resumed must reproduce its
+losses bit for bit; and the dry-run memory estimate must be within 20% of the peak RSS
+it measured (and of a second, larger configuration's).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyperparallel.trainer.config import load_config
+from hyperparallel.trainer.estimate import estimate
+from hyperparallel.trainer.report import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = REPO / "examples" / "default.yaml"
+STEPS = 12
+
+
+def _train(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", "2", *args]
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    if result.returncode:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def _short(tmp: Path, out: str, *extra: str) -> list[str]:
+    return [f"data.tokens={tmp / 'data' / 'stories.bin'}", f"output.dir={tmp / out}", f"train.steps={STEPS}",
+            "optim.warmup_steps=3", "checkpoint.every=6", *extra]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    result = _train(*_short(tmp, "full"))
+    return tmp, result
+
+
+def test_default_run_learns_and_writes_outputs(full_run):
+    tmp, result = full_run
+    out = tmp / "full"
+    assert "is missing; tokenizing" in result.stdout  # the token file was prepared on the way
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    losses = [r["loss"] for r in records]
+    assert losses[0] > 7.0  # about ln(2048) from fresh weights
+    assert max(losses[-3:]) < losses[0] - 1.0, losses
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in records)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000006", "step_00000012"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_run"] == STEPS and len(summary["peak_rss_bytes_per_rank"]) == 2
+    assert "hyperparallel train: 12 steps" in result.stdout and "peak RSS per rank" in result.stdout
+    assert f"step {STEPS}/{STEPS}" in result.stderr  # the progress bar
+
+
+def test_resume_reproduces_losses_bitwise(full_run):
+    tmp, _ = full_run
+    _train(*_short(tmp, "resumed", "train.stop_at=5"))  # stops after step 5 with a checkpoint
+    assert [r["step"] for r in read_metrics(tmp / "resumed" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    result = _train(*_short(tmp, "resumed"))  # no --overwrite: continues from step 5
+    assert "resumed from" in result.stdout and "at step 5" in result.stdout
+    full = read_metrics(tmp / "full" / "metrics.jsonl")
+    resumed = read_metrics(tmp / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(full, resumed):
+        assert (a["step"], a["loss"], a["grad_norm"], a["lr"]) == (b["step"], b["loss"], b["grad_norm"], b["lr"])
+
+
+def _within(estimated: int, measured: list[int]) -> None:
+    peak = max(measured)
+    assert abs(estimated - peak) <= 0.2 * peak, f"estimate {estimated >> 20} MiB, measured {[m >> 20 for m in measured]}"
+
+
+def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path):
+    tmp, _ = full_run
+    # 1. The default configuration: the shortened run above.
+    cfg = load_config(DEFAULT, _short(tmp, "full"))
+    summary = json.loads((tmp / "full" / "summary.json").read_text())
+    _within(estimate(cfg, 2).total, summary["peak_rss_bytes_per_rank"])
+    # 2. A 44M-parameter MoE with activation checkpointing and accumulation: parameters,
+    #    gradients and optimizer state are most of the memory.
+    model = json.loads((REPO / "examples" / "tiny-moe.config.json").read_text())
+    model.update(hidden_size=512, num_hidden_layers=6, num_experts=16, moe_intermediate_size=256,
+                 num_attention_heads=8, head_dim=64, max_window_layers=6)
+    (tmp_path / "medium.json").write_text(json.dumps(model))
+    args = [f"model.config={tmp_path / 'medium.json'}", "model.activation_checkpointing=true",
+            "train.micro_batch=4", "train.global_batch=16", "data.seq_len=256", *_short(tmp, "medium")[:2],
+            "train.steps=3", "checkpoint.final=false", "output.plot=false"]
+    dry = subprocess.run([sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", "2",
+                          "--dry-run", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert "2 per rank x 2 micro-batches x 2 ranks" not in dry.stdout  # micro 4 x 2 accumulation x 2 ranks
+    assert "4 per rank x 2 micro-batches x 2 ranks" in dry.stdout and "activations" in dry.stdout
+    _train(*args)
+    medium = json.loads((tmp / "medium" / "summary.json").read_text())
+    _within(estimate(load_config(DEFAULT, args), 2).total, medium["peak_rss_bytes_per_rank"])
