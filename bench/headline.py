@@ -8,7 +8,8 @@ Follows ../shared/bench/README.md: the same seeded Qwen3-MoE, the same token str
 with the protocol's settings. hyperparallel runs hp.nn.patch + hp.fully_shard + hp.optim.Muon;
 the baseline is bench/baseline_torch.py (stock HF modules, torch's fully_shard, Gloo, every rank
 gathering every full gradient for torch.optim.Muon's Newton-Schulz). The baseline gets its best
-settings: its first round tries reshard_after_forward true and false and keeps the faster.
+settings: its first round tries reshard_after_forward true and false and keeps the faster
+(`--baseline-reshard true|false` fixes it, to save time once the faster is known).
 Systems alternate (hp, torch, hp, torch, ...) in one invocation. Prints one JSON line per system
 (tokens/s from the median step after the first 3, peak RSS summed over ranks, per-step losses,
 time split), then the ratios; writes a PNG with both loss curves and the time split.
@@ -100,11 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(parser)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the two systems")
     parser.add_argument("--plot", type=Path, default=Path("headline.png"), help="where to save the PNG")
+    parser.add_argument(
+        "--baseline-reshard", choices=["auto", "true", "false"], default="auto",
+        help="the baseline's reshard_after_forward; auto tries both in the first round and keeps the faster",
+    )
     args = parser.parse_args(argv)
     spec = run_spec_from_args(args)
 
     ours_runs, theirs_runs = [], []
-    reshard = None
+    reshard = None if args.baseline_reshard == "auto" else args.baseline_reshard == "true"
     for _ in range(args.rounds):
         ours_runs.append(run_hp(spec))
         if reshard is None:  # the baseline's best setting, from the first round

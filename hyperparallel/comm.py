@@ -33,6 +33,7 @@ from hyperparallel import _C
 Op = Literal["sum", "avg"]
 _OPS = {"sum": _C.ReduceOp.SUM, "avg": _C.ReduceOp.AVG}
 _communicator: _C.Communicator | None = None
+_cross_node: dist.ProcessGroup | None = None
 
 
 def init() -> _C.Communicator:
@@ -43,7 +44,7 @@ def init() -> _C.Communicator:
     a one-rank job). Across nodes, one c10d group per local rank links each
     rank with its counterparts.
     """
-    global _communicator
+    global _communicator, _cross_node
     if _communicator is not None:
         return _communicator
     if not dist.is_initialized():
@@ -57,16 +58,22 @@ def init() -> _C.Communicator:
             f"hyperparallel: the environment says {topology} but torch.distributed has rank "
             f"{dist.get_rank()} of {dist.get_world_size()}; launch with torchrun so both agree"
         )
-    cross_node = None
     per_node = topology.local_world_size
     if topology.num_nodes > 1:
         for local in range(per_node):  # every rank creates every group, in the same order
             group = dist.new_group([node * per_node + local for node in range(topology.num_nodes)], backend="gloo")
             if local == topology.local_rank:
-                cross_node = group
+                _cross_node = group
     store = dist.distributed_c10d._get_default_store()
-    _communicator = _C.Communicator(topology, store, cross_node)
+    _communicator = _C.Communicator(topology, store, _cross_node)
     return _communicator
+
+
+def cross_node_group() -> dist.ProcessGroup | None:
+    """This rank's c10d group with its counterparts (same local rank) on every node, ordered by
+    node; None in a one-node job. Made by :func:`init`, which must have run."""
+    get()
+    return _cross_node
 
 
 def get() -> _C.Communicator:

@@ -23,8 +23,6 @@ _ADJUST_LR = {
     "original": _C.AdjustLr.ORIGINAL,
     "match_rms_adamw": _C.AdjustLr.MATCH_RMS_ADAMW,
 }
-# Per process: every rank creates every group, in the same order, once.
-_counterpart_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
 
 
 class Muon(torch.optim.Optimizer):
@@ -150,7 +148,7 @@ class Muon(torch.optim.Optimizer):
         if any(sharded):
             comm = hp_comm.init()
             mesh = _mesh_layout([p for p, s in zip(params, sharded) if s])
-            counterparts = _counterparts(comm.topology)
+            counterparts = hp_comm.cross_node_group()
         specs = [
             _C.MuonParam(shape=list(p.shape), sharded=s, ns=_C.NsOptions(a=a, b=b, c=c, steps=steps, eps=eps))
             for p, s, (a, b, c, steps, eps) in zip(params, sharded, ns)
@@ -230,19 +228,3 @@ def _mesh_layout(params: list[DTensor]) -> _C.MeshLayout:
         for s, rank in enumerate(row):
             shard[rank], replica[rank] = s, r
     return _C.MeshLayout(shard=shard, replica=replica)
-
-
-def _counterparts(topology: _C.Topology) -> dist.ProcessGroup | None:
-    """This rank's c10d group with its counterparts (same local rank) on every node, ordered by node."""
-    if topology.num_nodes == 1:
-        return None
-    key = (topology.num_nodes, topology.local_world_size)
-    if key not in _counterpart_groups:
-        per_node = topology.local_world_size
-        for local in range(per_node):  # collective: every rank creates every group, in order
-            group = dist.new_group(
-                [node * per_node + local for node in range(topology.num_nodes)], backend="gloo"
-            )
-            if local == topology.local_rank:
-                _counterpart_groups[key] = group
-    return _counterpart_groups[key]
