@@ -1,0 +1,271 @@
+// Parallel file I/O for checkpoints: one pass of pwrites (computing CRCs of
+// what is written) and one of preads, split into pieces that threads take in
+// turn, so a rank's file is written at the disk's speed rather than one
+// Python write call at a time.
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "checkpoint_internal.h"
+#include "hyperparallel/checkpoint/io.h"
+
+namespace hp::ckpt {
+namespace {
+
+std::string sys_error(const std::string& what, const std::string& path) {
+  return what + " " + path + ": " + std::strerror(errno);
+}
+
+// An open file descriptor, closed on destruction.
+class Fd {
+ public:
+  Fd(const std::string& path, int flags, mode_t mode = 0644) : path_(path), fd_(::open(path.c_str(), flags, mode)) {
+    if (fd_ < 0) throw std::runtime_error(sys_error("cannot open", path));
+  }
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+  void pwrite_all(const void* data, uint64_t n, uint64_t offset) const {
+    const char* p = static_cast<const char*>(data);
+    while (n) {
+      ssize_t w = ::pwrite(fd_, p, std::min<uint64_t>(n, 1ull << 30), off_t(offset));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw std::runtime_error(sys_error("cannot write", path_));
+      }
+      p += w;
+      n -= uint64_t(w);
+      offset += uint64_t(w);
+    }
+  }
+
+  void pread_all(void* data, uint64_t n, uint64_t offset) const {
+    char* p = static_cast<char*>(data);
+    uint64_t start = offset, want = n;
+    while (n) {
+      ssize_t r = ::pread(fd_, p, std::min<uint64_t>(n, 1ull << 30), off_t(offset));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        throw std::runtime_error(sys_error("cannot read", path_));
+      }
+      if (r == 0) {
+        struct stat st {};
+        ::fstat(fd_, &st);
+        throw std::runtime_error("checkpoint file " + path_ + " is truncated: bytes [" + std::to_string(start) + ", " +
+                                 std::to_string(start + want) + ") were wanted, the file has " +
+                                 std::to_string(st.st_size) + "; restore it or save the checkpoint again");
+      }
+      p += r;
+      n -= uint64_t(r);
+      offset += uint64_t(r);
+    }
+  }
+
+  uint64_t size() const {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw std::runtime_error(sys_error("cannot stat", path_));
+    return uint64_t(st.st_size);
+  }
+
+  void sync() const {
+    if (::fsync(fd_) != 0) throw std::runtime_error(sys_error("cannot fsync", path_));
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+// Runs task(i, worker) for i in [0, n) on up to `threads` threads (worker
+// in [0, threads)); rethrows the first error after every thread has stopped.
+template <typename Task>
+void parallel_for(size_t n, int threads, Task task) {
+  std::atomic<size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto worker = [&](int w) {
+    for (size_t i; (i = next.fetch_add(1)) < n;) {
+      try {
+        task(i, w);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        next = n;  // stop handing out work
+      }
+    }
+  };
+  size_t count = std::min<size_t>(size_t(std::max(threads, 1)), n);
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < count; ++t) pool.emplace_back(worker, int(t));
+  worker(0);
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// A run of bytes of the file being written, with the CRC of what it holds.
+struct Segment {
+  uint64_t offset = 0, length = 0;
+  const char* data = nullptr;
+  uint32_t crc = 0;
+  int item = -1;  // for a piece of a tensor's bytes: its item
+};
+
+}  // namespace
+
+WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items, int threads,
+                       uint64_t piece_bytes) {
+  piece_bytes = std::max<uint64_t>(piece_bytes, 1 << 20);
+  WrittenFile result;
+  std::vector<std::unique_ptr<TensorItemLayout>> layouts(items.size());
+  std::vector<std::string> suffixes(items.size());
+  std::vector<Segment> segments;  // every byte of the file, but the tensors' suffixes
+  uint64_t cursor = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WriteItem& item = items[i];
+    ItemExtent extent{cursor, 0};
+    if (item.is_tensor) {
+      layouts[i] = std::make_unique<TensorItemLayout>(item.storage_type, item.shape, item.nbytes);
+      const std::string& prefix = layouts[i]->prefix();
+      segments.push_back({cursor, prefix.size(), prefix.data()});
+      cursor += prefix.size();
+      extent.length = layouts[i]->length();
+    } else {
+      extent.length = item.nbytes;
+    }
+    const char* data = static_cast<const char*>(item.data);
+    for (uint64_t done = 0; done < item.nbytes; done += piece_bytes) {
+      uint64_t n = std::min(piece_bytes, item.nbytes - done);
+      segments.push_back({cursor, n, data + done, 0, item.is_tensor ? int(i) : -1});
+      cursor += n;
+    }
+    if (item.is_tensor) cursor += layouts[i]->suffix_length();
+    result.items.push_back(extent);
+  }
+
+  Fd fd(path, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC);
+  if (::ftruncate(fd.get(), off_t(cursor)) != 0) throw std::runtime_error(sys_error("cannot size", path));
+  // Largest first, so that the last pieces to finish are small ones.
+  std::vector<size_t> order(segments.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return segments[a].length > segments[b].length; });
+  parallel_for(order.size(), threads, [&](size_t k, int) {
+    Segment& s = segments[order[k]];
+    s.crc = crc32(s.data, s.length);
+    fd.pwrite_all(s.data, s.length, s.offset);
+  });
+
+  // Each tensor's CRC from its pieces, then its suffix.
+  std::vector<uint32_t> data_crc(items.size(), 0);
+  for (const Segment& s : segments)
+    if (s.item >= 0) data_crc[s.item] = crc32_combine(data_crc[s.item], s.crc, s.length);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!items[i].is_tensor) continue;
+    if (items[i].nbytes == 0) data_crc[i] = 0;
+    suffixes[i] = layouts[i]->suffix(data_crc[i]);
+    const ItemExtent& extent = result.items[i];
+    uint64_t at = extent.offset + extent.length - suffixes[i].size();
+    fd.pwrite_all(suffixes[i].data(), suffixes[i].size(), at);
+    segments.push_back({at, suffixes[i].size(), suffixes[i].data(), crc32(suffixes[i].data(), suffixes[i].size())});
+  }
+  fd.sync();
+
+  std::sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+  uint32_t crc = 0;
+  for (const Segment& s : segments) crc = crc32_combine(crc, s.crc, s.length);
+  result.digest = {cursor, crc};
+  return result;
+}
+
+std::string read_bytes(const std::string& path, uint64_t offset, uint64_t n) {
+  Fd fd(path, O_RDONLY | O_CLOEXEC);
+  std::string out(n, '\0');
+  fd.pread_all(out.data(), n, offset);
+  return out;
+}
+
+void read_into(const std::vector<ReadRequest>& requests, int threads, uint64_t piece_bytes) {
+  piece_bytes = std::max<uint64_t>(piece_bytes, 1 << 20);
+  struct Piece {
+    const ReadRequest* request;
+    uint64_t done, n;
+  };
+  std::vector<Piece> pieces;
+  for (const ReadRequest& r : requests)
+    for (uint64_t done = 0; done < r.nbytes; done += piece_bytes)
+      pieces.push_back({&r, done, std::min(piece_bytes, r.nbytes - done)});
+  // Within a file, in offset order: the disk sees sequential reads.
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    if (a.request->path != b.request->path) return a.request->path < b.request->path;
+    return a.request->offset + a.done < b.request->offset + b.done;
+  });
+  std::mutex mutex;
+  std::unordered_map<std::string, std::shared_ptr<Fd>> files;
+  auto open = [&](const std::string& path) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto& fd = files[path];
+    if (!fd) fd = std::make_shared<Fd>(path, O_RDONLY | O_CLOEXEC);
+    return fd;
+  };
+  parallel_for(pieces.size(), threads, [&](size_t i, int) {
+    const Piece& p = pieces[i];
+    open(p.request->path)->pread_all(static_cast<char*>(p.request->dst) + p.done, p.n, p.request->offset + p.done);
+  });
+}
+
+FileDigest digest_file(const std::string& path, int threads, uint64_t piece_bytes) {
+  piece_bytes = std::max<uint64_t>(piece_bytes, 1 << 20);
+  Fd fd(path, O_RDONLY | O_CLOEXEC);
+  uint64_t size = fd.size();
+  size_t n = size_t((size + piece_bytes - 1) / piece_bytes);
+  std::vector<uint32_t> crcs(n);
+  int workers = std::max(1, std::min<int>(threads, int(n)));
+  std::vector<std::string> buffers(size_t(workers), std::string(std::min(piece_bytes, size), '\0'));
+  parallel_for(n, workers, [&](size_t i, int w) {
+    uint64_t offset = uint64_t(i) * piece_bytes, len = std::min(piece_bytes, size - offset);
+    fd.pread_all(buffers[size_t(w)].data(), len, offset);
+    crcs[i] = crc32(buffers[size_t(w)].data(), len);
+  });
+  uint32_t crc = 0;
+  for (size_t i = 0; i < n; ++i) crc = crc32_combine(crc, crcs[i], std::min(piece_bytes, size - uint64_t(i) * piece_bytes));
+  return {size, crc};
+}
+
+void fsync_dir(const std::string& path) {
+  Fd fd(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  fd.sync();
+}
+
+bool publish_dir(const std::string& staged, const std::string& target) {
+  std::string parent = target.substr(0, target.find_last_of('/'));
+  if (parent.empty() || target.find('/') == std::string::npos) parent = ".";
+  bool exchanged = false;
+  if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno != EEXIST && errno != ENOTEMPTY)
+      throw std::runtime_error(sys_error("cannot rename " + staged + " to", target));
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0)
+      throw std::runtime_error(sys_error("cannot exchange " + staged + " with", target));
+    exchanged = true;
+  }
+  fsync_dir(parent);
+  return exchanged;
+}
+
+}  // namespace hp::ckpt

@@ -1,0 +1,308 @@
+"""save / load / async_save: DCP's planning and metadata, C++ bytes, crash safety.
+
+A save writes into ``<parent>/.<name>.partial``, fsyncs every file, records
+each file's size and CRC-32 in ``.checksums.json``, and only then publishes
+the directory under its name with one atomic rename (an exchange if a
+checkpoint of that name exists, which is removed only afterwards). A load
+verifies sizes and CRCs first, each rank checking a share of the files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from hyperparallel import _C
+from hyperparallel.checkpoint._storage import CheckpointError, Reader, Writer, io_threads
+
+MANIFEST = ".checksums.json"
+METADATA = ".metadata"
+
+# Test seam: called (with the staging directory) in the writing thread just
+# before this rank's data file is written. Tests hold a save "in flight" with it.
+_before_write = None
+
+
+def _group(process_group) -> tuple[Any, int, int]:
+    """(group for collectives or None, rank, world size) of this process."""
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise CheckpointError("process_group was given but torch.distributed is not initialized")
+        return None, 0, 1
+    group = process_group or dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _first_error(group, error: str | None) -> None:
+    """Raise the same CheckpointError on every rank if any rank had one."""
+    if group is None:
+        if error:
+            raise CheckpointError(error)
+        return
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    found = [e for e in errors if e]
+    if found:
+        raise CheckpointError(found[0])
+
+
+def _check_state_dict(state_dict) -> None:
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(
+            f"state_dict must be a dict (e.g. {{'model': model.state_dict(), 'step': 3}}), got {type(state_dict).__name__}"
+        )
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise CheckpointError(f"state_dict keys must be str; got {key!r}: convert the key to a string")
+
+
+def _staging(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> None:
+    """Save ``state_dict`` to directory ``path``; every rank writes only its own shards.
+
+    Collective over ``process_group`` (default: the world, or this process alone
+    when torch.distributed is not initialized). Tensors, DTensors (each rank's
+    shards), objects with ``state_dict()``/``load_state_dict()``, and plain
+    Python values (ints, floats, lists, dicts, bytes, RNG states) are saved.
+    ``torch.distributed.checkpoint.load`` reads the result.
+
+    Example::
+
+        hp.checkpoint.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 100}, "ckpt/100")
+    """
+    _save(state_dict, Path(path), process_group)
+
+
+def _save(state_dict, path: Path, process_group, on_published=None) -> None:
+    _check_state_dict(state_dict)
+    group, rank, _ = _group(process_group)
+    path = path.absolute()
+    staged = _staging(path)
+    error = None
+    if rank == 0:
+        try:
+            if staged.exists():  # left over from a crash
+                shutil.rmtree(staged)
+            staged.mkdir(parents=True)
+        except OSError as e:
+            error = f"cannot create {staged}: {e}; check that {path.parent} is writable"
+    _first_error(group, error)
+
+    writer = Writer(staged, before_write=_before_write)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps rank failures in CheckpointException
+        raise CheckpointError(f"saving {path} failed: {e}") from e
+
+    files = dict(writer.files)
+    if group is not None:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, files, group=group)
+        for part in gathered:
+            files.update(part)
+    error = None
+    if rank == 0:
+        try:
+            size, crc = _C.ckpt_digest_file(str(staged / METADATA), 1)
+            files[METADATA] = (size, crc)
+            manifest = {"format": 1, "files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(files.items())}}
+            with open(staged / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _C.ckpt_fsync_dir(str(staged))
+            if _C.ckpt_publish_dir(str(staged), str(path)):
+                shutil.rmtree(staged)  # the previous checkpoint of this name, swapped out
+            if on_published is not None:
+                on_published(path)
+        except (OSError, RuntimeError) as e:
+            error = f"publishing {path} failed: {e}"
+    _first_error(group, error)
+
+
+def verify(path: str | os.PathLike, *, process_group=None) -> None:
+    """Check every file of checkpoint ``path`` against its recorded size and CRC-32.
+
+    Each rank checks a share of the files; all ranks raise the same
+    :class:`CheckpointError` naming the first bad file. Checkpoints written by
+    torch.distributed.checkpoint (no ``.checksums.json``) are checked for
+    truncation only: every item must lie within its file.
+    """
+    group, rank, world = _group(process_group)
+    path = Path(path)
+    error = None
+    try:
+        error = _verify_share(path, rank, world)
+    except Exception as e:  # noqa: BLE001 -- unreadable metadata, I/O errors: reported on every rank
+        error = f"checkpoint {path} cannot be read: {e}"
+    _first_error(group, error)
+
+
+def _verify_share(path: Path, rank: int, world: int) -> str | None:
+    if not (path / METADATA).is_file():
+        if _staging(path).exists():
+            return f"checkpoint {path} is incomplete (its save did not finish): load an earlier one"
+        return f"{path} is not a checkpoint (no {METADATA}); check the path"
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():  # written by torch DCP: check extents against file sizes
+        metadata = Reader(path).read_metadata()
+        sizes: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+        for name, need in sorted(sizes.items()):
+            have = (path / name).stat().st_size if (path / name).exists() else -1
+            if have < need:
+                return f"checkpoint file {path / name} is truncated or missing: {need} bytes expected, {have} found"
+        return None
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"checkpoint manifest {manifest_path} is corrupted ({e}); the checkpoint cannot be trusted"
+    names = sorted(files)
+    for name in names:
+        file = path / name
+        if not file.exists():
+            return f"checkpoint file {file} is missing"
+        if file.stat().st_size != files[name]["size"]:
+            return (
+                f"checkpoint file {file} is truncated or overwritten: {file.stat().st_size} bytes, "
+                f"{files[name]['size']} expected; restore it or load an earlier checkpoint"
+            )
+    mine = [n for i, n in enumerate(names) if i % world == rank or n == METADATA]
+    for name in mine:
+        size, crc = _C.ckpt_digest_file(str(path / name), io_threads())
+        if crc != files[name]["crc32"]:
+            return (
+                f"checkpoint file {path / name} is corrupted: CRC-32 {crc:08x}, {files[name]['crc32']:08x} recorded; "
+                "restore it or load an earlier checkpoint"
+            )
+    return None
+
+
+def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> None:
+    """Load checkpoint ``path`` into ``state_dict`` in place, as torch DCP does.
+
+    The tensors of ``state_dict`` (DTensors: this rank's shards) must already
+    have their shapes; the checkpoint may have been saved at any world size or
+    mesh (it is resharded on load) or by torch.distributed.checkpoint.save.
+    Non-tensor values are replaced in the dict. Files are verified first (see
+    :func:`verify`); a corrupted or truncated checkpoint raises
+    :class:`CheckpointError` naming the file.
+
+    Example::
+
+        state = {"model": model.state_dict(), "step": 0}
+        hp.checkpoint.load(state, "ckpt/100")
+        model.load_state_dict(state["model"]); step = state["step"]
+    """
+    _check_state_dict(state_dict)
+    group, _, _ = _group(process_group)
+    path = Path(path).absolute()
+    verify(path, process_group=process_group)
+    try:
+        dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"loading {path} failed: {e}") from e
+
+
+def _stage(value):
+    """A snapshot of ``value``: tensors (DTensor shards included) cloned, containers copied."""
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().clone()
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _stage(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_stage(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_stage(v) for v in value)
+    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        return _stage(value.state_dict())
+    return copy.deepcopy(value)
+
+
+_async_groups: dict[tuple[int, ...], Any] = {}
+
+
+def _async_group(process_group):
+    """A Gloo group with the ranks of ``process_group``, for the background
+    save's collectives: training's collectives on the original group go on
+    meanwhile without interleaving with them."""
+    group, _, _ = _group(process_group)
+    if group is None:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _async_groups:
+        _async_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _async_groups[ranks]
+
+
+class AsyncSave:
+    """A save running in the background: :meth:`result` waits for it (and
+    raises its error), :meth:`done` says whether it finished."""
+
+    def __init__(self, target, path: Path) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(target,), name=f"hp-ckpt-save {path}", daemon=True)
+        self._thread.start()
+
+    def _run(self, target) -> None:
+        try:
+            target()
+        except BaseException as error:  # noqa: BLE001 -- re-raised by result()
+            self._error = error
+
+    def done(self) -> bool:
+        """True once the checkpoint is published (or the save failed)."""
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the save finished; raise its error if it failed."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"saving {self.path} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None, _on_published=None) -> AsyncSave:
+    """Start saving ``state_dict`` to ``path`` in the background and return at once.
+
+    The state is copied first (in the caller, so training may change the
+    parameters right after this returns); the files are written and published
+    by a background thread with the same guarantees as :func:`save`. Every
+    rank must call it; call ``.result()`` before relying on the checkpoint.
+
+    Example::
+
+        pending = hp.checkpoint.async_save({"model": model.state_dict()}, "ckpt/200")
+        ...  # keep training
+        pending.result()
+    """
+    _check_state_dict(state_dict)
+    group = _async_group(process_group)
+    snapshot = _stage(state_dict)
+    path = Path(path).absolute()
+    return AsyncSave(lambda: _save(snapshot, path, group, _on_published), path)
