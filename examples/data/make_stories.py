@@ -51,8 +51,9 @@ def story(rng: random.Random) -> str:
     colour, feeling, weather = rng.choice(COLOURS), rng.choice(FEELINGS), rng.choice(WEATHER)
     verb, past = rng.choice(VERBS)
     friend = rng.choice(FRIENDS)
-    words = dict(name=name, Pro=pro.capitalize(), pro=pro, pos=pos, animal=animal, place=place, obj=obj,
-                 colour=colour, feeling=rng.choice(FEELINGS), friend=friend, verb=verb, past=past)
+    words = {"name": name, "Pro": pro.capitalize(), "pro": pro, "pos": pos, "animal": animal, "place": place,
+             "obj": obj, "colour": colour, "feeling": rng.choice(FEELINGS), "friend": friend, "verb": verb,
+             "past": past}
     lines = [
         rng.choice([
             "Once upon a time, there was a little {kid} named {name}.",

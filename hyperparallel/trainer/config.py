@@ -15,8 +15,8 @@ working directory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field

@@ -6,8 +6,9 @@ Memory is what the OS will count for each rank (peak resident set size), in part
   measured in this process (which imports the same modules), plus what a rank adds
   before the model exists (process group, fabric, thread pools; a measured constant);
 - **parameters**: the full fp32 parameters live once per node in shared memory, and
-  every rank reads all of them in forward, so every rank's RSS counts them; bf16
-  mixed precision adds a bf16 copy;
+  every rank reads all of them in forward, so every rank's RSS counts them; with bf16
+  mixed precision forward and backward read a bf16 copy instead, and a rank touches
+  only its own rows of the fp32 parameters;
 - **gradients**: this rank's fp32 shard of every gradient, the full gradients of the
   group being reduced (autograd's, and this rank's slot of the node's gradient window,
   of which it also reads its rows in every other slot);
@@ -126,7 +127,7 @@ def runtime_bytes() -> int:
     import torch.distributed.checkpoint  # noqa: F401
     import transformers  # noqa: F401
 
-    import hyperparallel.nn  # noqa: F401
+    import hyperparallel.nn
     import hyperparallel.optim  # noqa: F401
 
     return rss_bytes()
@@ -171,7 +172,9 @@ def estimate(cfg: Config, world: int) -> Estimate:
     transient = 2 * largest  # the logits' gradient and softmax buffers at the start of backward
     parts = {
         "runtime": runtime_bytes() + RANK_OVERHEAD_BYTES,
-        "parameters": n * 4 + (n * 2 if bf16 else 0),
+        # bf16: forward and backward read the bf16 copy; of the fp32 parameters a rank
+        # touches only its own rows (the optimizer's update, the copy it writes).
+        "parameters": int(n * 2 + n * 4 * share) if bf16 else n * 4,
         "gradients": int(grads),
         "optimizer state": int(optimizer),
         "activations": int(activations + transient + ALLOCATOR_SLACK * (activations + grads)),
@@ -179,7 +182,8 @@ def estimate(cfg: Config, world: int) -> Estimate:
     }
     notes = {
         "runtime": "interpreter, torch, transformers, hyperparallel (measured) + rank set-up",
-        "parameters": f"{human(n)} fp32, node-shared, read whole by every rank" + (" + bf16 copy" if bf16 else ""),
+        "parameters": (f"{human(n)}: node-shared bf16 copy read whole, 1/{world} of the fp32 ones" if bf16
+                       else f"{human(n)} fp32, node-shared, read whole by every rank"),
         "gradients": f"1/{world} fp32 shard + the largest group ({human(biggest_group)}) in flight",
         "optimizer state": (f"Muon {human(n_muon)} (momentum shard, shared bf16), AdamW {human(n_adamw)} (2 moments)"
                             if n_muon else f"AdamW {human(n_adamw)}: two moments of 1/{world}"),
@@ -214,27 +218,27 @@ def dry_run(cfg: Config, world: int) -> str:
         " + final" if cfg.checkpoint.final else "") + f", keep {cfg.checkpoint.keep_last}"
     lines = [
         "hyperparallel train --dry-run: the plan",
-        f"  model       {type(model).__name__}: {human(params['total'])} params "
-        f"({human(params['active'])} active per token), {mc.num_hidden_layers} layers, hidden {mc.hidden_size}"
-        f"{moe}, vocab {mc.vocab_size}; {model_lib.describe_source(cfg)}",
-        f"  modules     {'hp.nn fused (patch on)' if cfg.model.patch else 'stock HF (patch off)'}, "
-        f"activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}, "
-        f"{cfg.model.mixed_precision}",
-        f"  sharding    hp.fully_shard over {world} ranks: {len(groups) - 1} decoder layers + root "
-        f"({len(groups)} groups, largest {human(max(groups))} params)",
-        f"  batch       {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens_per_step:,} tokens "
-        f"per step: {cfg.train.micro_batch} per rank x {accumulation} micro-batches x {world} ranks",
-        f"  run         {cfg.train.steps} steps = {human(cfg.train.steps * tokens_per_step)} tokens"
-        + (f" (stopping at {cfg.train.stop_at})" if cfg.train.stop_at else ""),
-        f"  optimizer   {opt}; lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}, cosine to "
-        f"{cfg.optim.lr * cfg.optim.min_lr_ratio:g}; clip {cfg.train.max_grad_norm:g}",
-        f"  data        {cfg.data.tokens}" + ("" if Path(cfg.data.tokens).is_file() else
-                                              f" (made from {', '.join(cfg.data.prepare.text)})"),
+        (f"  model       {type(model).__name__}: {human(params['total'])} params "
+         f"({human(params['active'])} active per token), {mc.num_hidden_layers} layers, hidden {mc.hidden_size}"
+         f"{moe}, vocab {mc.vocab_size}; {model_lib.describe_source(cfg)}"),
+        (f"  modules     {'hp.nn fused (patch on)' if cfg.model.patch else 'stock HF (patch off)'}, "
+         f"activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}, "
+         f"{cfg.model.mixed_precision}"),
+        (f"  sharding    hp.fully_shard over {world} ranks: {len(groups) - 1} decoder layers + root "
+         f"({len(groups)} groups, largest {human(max(groups))} params)"),
+        (f"  batch       {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens_per_step:,} tokens "
+         f"per step: {cfg.train.micro_batch} per rank x {accumulation} micro-batches x {world} ranks"),
+        (f"  run         {cfg.train.steps} steps = {human(cfg.train.steps * tokens_per_step)} tokens"
+         + (f" (stopping at {cfg.train.stop_at})" if cfg.train.stop_at else "")),
+        (f"  optimizer   {opt}; lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}, cosine to "
+         f"{cfg.optim.lr * cfg.optim.min_lr_ratio:g}; clip {cfg.train.max_grad_norm:g}"),
+        (f"  data        {cfg.data.tokens}" + ("" if Path(cfg.data.tokens).is_file() else
+                                               f" (made from {', '.join(cfg.data.prepare.text)})")),
         f"  checkpoints {checkpoint}, in {Path(cfg.output.dir) / 'checkpoints'}",
         "",
         "memory per rank (estimate):",
         est.table(),
-        f"  x {world} ranks on this node: {est.total * world / MIB / 1024:.2f} GiB RSS in all (shared pages "
-        f"counted once per rank; the node holds parameters once: {math.ceil(params['total'] * 4 / MIB)} MiB)",
+        (f"  x {world} ranks on this node: {est.total * world / MIB / 1024:.2f} GiB RSS in all (shared pages "
+         f"counted once per rank; the node holds parameters once: {math.ceil(params['total'] * 4 / MIB)} MiB)"),
     ]
     return "\n".join(lines)

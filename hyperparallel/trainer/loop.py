@@ -15,7 +15,8 @@ import torch.distributed as dist
 from hyperparallel.trainer import data as data_lib
 from hyperparallel.trainer import model as model_lib
 from hyperparallel.trainer import optim as optim_lib
-from hyperparallel.trainer import report, state as state_lib
+from hyperparallel.trainer import report
+from hyperparallel.trainer import state as state_lib
 from hyperparallel.trainer.config import Config, ConfigError, _build, check_world
 
 PHASES = ("data", "forward", "backward", "optimizer", "comm_wait")

@@ -38,7 +38,7 @@ def human(n: float, unit: str = "") -> str:
 
 
 def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
@@ -134,18 +134,18 @@ def summary_text(summary: dict[str, Any]) -> str:
     est_text = f" (dry-run estimate {est / MIB:.0f} MiB)" if est else ""
     p = s["params"]
     lines = [
-        f"hyperparallel train: {s['steps_run']} steps in {duration(s['wall_s'])}, "
-        f"{human(s['tokens'])} tokens, {human(s['tokens_per_s'])} tokens/s (median step {s['step_s_median']:.3f} s)",
-        f"  model    {s['model']}: {human(p['total'])} params ({human(p['active'])} active per token), "
-        f"{s['world_size']} ranks, {s['optimizer']}, {s['precision']}, patch {'on' if s['patch'] else 'off'}, "
-        f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}",
-        f"  batch    {s['global_batch']} x {s['seq_len']} tokens per step = {s['micro_batch']} per rank x "
-        f"{s['accumulation']} micro-batches x {s['world_size']} ranks",
+        (f"hyperparallel train: {s['steps_run']} steps in {duration(s['wall_s'])}, "
+         f"{human(s['tokens'])} tokens, {human(s['tokens_per_s'])} tokens/s (median step {s['step_s_median']:.3f} s)"),
+        (f"  model    {s['model']}: {human(p['total'])} params ({human(p['active'])} active per token), "
+         f"{s['world_size']} ranks, {s['optimizer']}, {s['precision']}, patch {'on' if s['patch'] else 'off'}, "
+         f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}"),
+        (f"  batch    {s['global_batch']} x {s['seq_len']} tokens per step = {s['micro_batch']} per rank x "
+         f"{s['accumulation']} micro-batches x {s['world_size']} ranks"),
         f"  loss     {s['first_loss']:.4f} (step {s['first_step']}) -> {s['last_loss']:.4f} (step {s['last_step']})",
         f"  memory   peak RSS per rank (MiB): {rss}{est_text}",
         f"  time     {parts}  (per step, mean over ranks)",
-        f"  outputs  {s['output_dir']}: metrics.jsonl, summary.json"
-        + (", loss.png" if s.get("plot") else "")
-        + (f", {s['checkpoint']}" if s.get("checkpoint") else ""),
+        (f"  outputs  {s['output_dir']}: metrics.jsonl, summary.json"
+         + (", loss.png" if s.get("plot") else "")
+         + (f", {s['checkpoint']}" if s.get("checkpoint") else "")),
     ]
     return "\n".join(lines)
