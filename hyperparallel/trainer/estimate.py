@@ -71,7 +71,7 @@ def _fake_model(cfg: Config, dtype: torch.dtype):
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        model = model_lib.build(cfg, device="cpu", dtype=dtype)
+        model = model_lib.build(cfg, device="cpu", dtype=dtype, weights=False)
     return model, mode
 
 

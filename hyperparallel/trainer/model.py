@@ -25,11 +25,14 @@ def hf_config(cfg: Config):
     return config
 
 
-def build(cfg: Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def build(
+    cfg: Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, weights: bool = True
+) -> nn.Module:
     """The causal LM, fp32, unsharded: fresh weights from ``model.seed``, or ``model.pretrained``'s.
 
-    ``device="meta"`` builds shapes only (the dry-run estimate); ``dtype`` is for such
-    shape-only models too (training keeps fp32 weights).
+    ``device="meta"`` or ``weights=False`` builds shapes only, without reading
+    ``model.pretrained`` (the dry-run estimate); ``dtype`` is for such shape-only
+    models too (training keeps fp32 weights).
     """
     from transformers import AutoModelForCausalLM
 
@@ -37,7 +40,7 @@ def build(cfg: Config, *, device: str | torch.device = "cpu", dtype: torch.dtype
     torch.manual_seed(cfg.model.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    if cfg.model.pretrained is not None and device != "meta":
+    if cfg.model.pretrained is not None and weights and str(device) != "meta":
         import hyperparallel.nn as hpnn
 
         hpnn.load_pretrained(model, cfg.model.pretrained)

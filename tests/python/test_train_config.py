@@ -126,3 +126,20 @@ def test_loader_shards_deterministically_and_resumes(tmp_path):
     for a, b in zip(two[60:], resumed):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(one[0], one[1])
+
+
+def test_pretrained_directory_loads_its_weights(tmp_path, capsys):
+    import torch
+
+    from hyperparallel.trainer import model as model_lib
+
+    fresh = load_config(DEFAULT, ["model.seed=7"])
+    saved = model_lib.build(fresh)
+    saved.save_pretrained(tmp_path / "hf")
+    cfg = load_config(DEFAULT, ["model.config=null", f"model.pretrained={tmp_path / 'hf'}"])
+    loaded = model_lib.build(cfg)  # seed 0 weights, then the directory's
+    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    status, out = _train([str(DEFAULT), "model.config=null", f"model.pretrained={tmp_path / 'hf'}",
+                          *_base(tmp_path)[1:], "--dry-run"], capsys)
+    assert status == 0 and f"weights from {tmp_path / 'hf'}" in out
