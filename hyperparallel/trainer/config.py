@@ -262,6 +262,13 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def from_dict(data: dict[str, Any]) -> Config:
+    """A Config from nested plain data (``Config.to_dict()``'s form), with the same checks as a file."""
+    cfg = _build(Config, data, "")
+    check_values(cfg)
+    return cfg
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"optim.lr=1e-3"`` -> (["optim", "lr"], 0.001); the value is read as YAML."""
     key, sep, value = text.partition("=")
@@ -349,6 +356,19 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"train.global_batch={t.global_batch} is not divisible by train.micro_batch x world size = "
             f"{t.micro_batch} x {world_size} = {per_step}; set train.global_batch to a multiple of {per_step} "
             f"(e.g. {lower}), or run on {' / '.join(map(str, ranks)) or 'other'} ranks"
+        )
+
+
+def check_vocab(cfg: Config, model_vocab: int) -> None:
+    """The token file's vocabulary must fit the model's embedding."""
+    from hyperparallel.trainer.data import read_meta
+
+    vocab = read_meta(cfg.data.tokens)["vocab_size"]
+    if vocab > model_vocab:
+        raise ConfigError(
+            f"data.tokens: {cfg.data.tokens} has a vocabulary of {vocab} but the model's vocab_size is "
+            f"{model_vocab}; raise vocab_size in the model config, or prepare the data with "
+            f"data.prepare.vocab_size <= {model_vocab} (and a new data.tokens)"
         )
 
 

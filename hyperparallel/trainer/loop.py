@@ -17,7 +17,7 @@ from hyperparallel.trainer import model as model_lib
 from hyperparallel.trainer import optim as optim_lib
 from hyperparallel.trainer import report
 from hyperparallel.trainer import state as state_lib
-from hyperparallel.trainer.config import Config, ConfigError, _build, check_world
+from hyperparallel.trainer.config import Config, check_vocab, check_world, from_dict
 
 PHASES = ("data", "forward", "backward", "optimizer", "comm_wait")
 
@@ -59,7 +59,7 @@ def rank_main(cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> di
     """
     import hyperparallel as hp
 
-    cfg = _build(Config, cfg_dict, "")
+    cfg = from_dict(cfg_dict)
     torch.set_num_threads(_threads(cfg))
     hp.comm.init()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,12 +82,7 @@ def rank_main(cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> di
         cfg.data.tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch, dp_rank=rank, dp_size=world, seed=cfg.data.seed,
     )
-    if loader.meta["vocab_size"] > vocab:
-        raise ConfigError(
-            f"data.tokens: {cfg.data.tokens} has a vocabulary of {loader.meta['vocab_size']} but the model's "
-            f"vocab_size is {vocab}; set vocab_size in the model config, or prepare the data with "
-            f"data.prepare.vocab_size <= {vocab}"
-        )
+    check_vocab(cfg, vocab)
     coef = getattr(model.config, "router_aux_loss_coef", 0.0) if getattr(
         model.config, "output_router_logits", False) else 0.0
 
@@ -102,6 +97,9 @@ def rank_main(cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> di
         if rank == 0:
             print(f"hyperparallel train: resumed from {manager.latest()} at step {step}", flush=True)
     stop = cfg.train.stop_at or cfg.train.steps
+    if step >= stop and rank == 0:
+        print(f"hyperparallel train: nothing to do: the checkpoint is at step {step} and the run stops at {stop}; "
+              "raise train.steps (or train.stop_at) to continue, or pass --overwrite to start afresh", flush=True)
     metrics = report.Metrics(out / "metrics.jsonl", keep_until=step) if rank == 0 else None
     progress = report.Progress(cfg.train.steps, step, cfg.output.log_every, cfg.output.progress and rank == 0)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len

@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 
 from hyperparallel.trainer import data as data_lib
-from hyperparallel.trainer.config import Config, ConfigError, check_files, check_world, load_config
+from hyperparallel.trainer.config import (
+    Config,
+    ConfigError,
+    check_files,
+    check_vocab,
+    check_world,
+    load_config,
+)
 
 # oneDNN (bf16 GEMMs on the CPU) keeps a compiled primitive per GEMM shape in two caches.
 # MoE experts see a new row count almost every call, so with the caches on a bf16 run's
@@ -47,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def check_output(cfg: Config, overwrite: bool) -> str:
-    """What to do with ``output.dir``: "fresh", "resume" or "done"; raises ConfigError if it holds a run.
+    """What to do with ``output.dir``: "fresh" or "resume"; raises ConfigError if it holds a run.
 
     Nothing is deleted here; :func:`clear_output` does that for ``--overwrite``.
     """
@@ -111,6 +118,13 @@ def main(argv: list[str]) -> int:
     if mode == "fresh" and args.overwrite:
         clear_output(cfg)
     ensure_tokens(cfg)
+    try:
+        from hyperparallel.trainer.model import hf_config
+
+        check_vocab(cfg, hf_config(cfg).vocab_size)
+    except ConfigError as error:
+        print(f"hyperparallel train: {error}", file=sys.stderr)
+        return 2
     estimate = _estimate_bytes(cfg, world)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

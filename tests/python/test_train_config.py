@@ -143,3 +143,18 @@ def test_pretrained_directory_loads_its_weights(tmp_path, capsys):
     status, out = _train([str(DEFAULT), "model.config=null", f"model.pretrained={tmp_path / 'hf'}",
                           *_base(tmp_path)[1:], "--dry-run"], capsys)
     assert status == 0 and f"weights from {tmp_path / 'hf'}" in out
+
+
+def test_token_vocabulary_larger_than_the_model(tmp_path, capsys):
+    import json
+
+    text = tmp_path / "small.txt"
+    text.write_text((REPO / "examples/data/stories.txt").read_text()[:100_000])
+    prepare([str(text)], tmp_path / "t.bin", tokenizer="bpe", vocab_size=400)
+    model = json.loads((REPO / "examples/tiny-moe.config.json").read_text())
+    (tmp_path / "small-vocab.json").write_text(json.dumps({**model, "vocab_size": 300}))
+    status, err = _train([str(DEFAULT), *_base(tmp_path), f"model.config={tmp_path / 'small-vocab.json'}",
+                          f"data.tokens={tmp_path / 't.bin'}"], capsys)
+    assert status == 2
+    assert "has a vocabulary of 400 but the model's vocab_size is 300" in err
+    assert not (tmp_path / "out").exists()
