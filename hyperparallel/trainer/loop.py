@@ -194,8 +194,8 @@ def rank_main(cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> di
             "output_dir": str(out), "checkpoint": str(saved) if saved else None,
             "plot": cfg.output.plot and steps_run > 0,
         })
+        metrics.close()
         if steps_run:
-            metrics.close()
             if cfg.output.plot:
                 report.plot(out / "metrics.jsonl", out / "loss.png")
             (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hyperparallel.cli import main
 from hyperparallel.trainer.config import load_config
 from hyperparallel.trainer.estimate import estimate
 from hyperparallel.trainer.report import read_metrics
@@ -79,7 +80,7 @@ def _within(estimated: int, measured: list[int]) -> None:
     assert abs(estimated - peak) <= 0.2 * peak, f"estimate {estimated >> 20} MiB, measured {[m >> 20 for m in measured]}"
 
 
-def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path):
+def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path, capsys):
     tmp, _ = full_run
     # 1. The default configuration: the shortened run above.
     cfg = load_config(DEFAULT, _short(tmp, "full"))
@@ -95,11 +96,25 @@ def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path):
             "model.mixed_precision=bfloat16",
             "train.micro_batch=4", "train.global_batch=16", "data.seq_len=256", *_short(tmp, "medium")[:2],
             "train.steps=3", "checkpoint.final=false", "output.plot=false"]
-    dry = subprocess.run([sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", "2",
-                          "--dry-run", *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert dry.returncode == 0, dry.stderr
-    assert "2 per rank x 2 micro-batches x 2 ranks" not in dry.stdout  # micro 4 x 2 accumulation x 2 ranks
-    assert "4 per rank x 2 micro-batches x 2 ranks" in dry.stdout and "activations" in dry.stdout
+    assert main(["train", str(DEFAULT), "--nproc", "2", "--dry-run", *args]) == 0
+    plan = capsys.readouterr().out
+    assert "4 per rank x 2 micro-batches x 2 ranks" in plan and "activations" in plan and "bfloat16" in plan
     _train(*args)
     medium = json.loads((tmp / "medium" / "summary.json").read_text())
     _within(estimate(load_config(DEFAULT, args), 2).total, medium["peak_rss_bytes_per_rank"])
+
+
+def test_two_nodes_hsdp_matches_one_node(full_run):
+    """Two simulated nodes of one rank each (HSDP: shard in the node, replicate across) train
+    on the same global batches as the one-node run, so the first losses agree closely."""
+    from hyperparallel.launch import run
+    from hyperparallel.trainer.loop import rank_main
+
+    tmp, _ = full_run
+    cfg = load_config(DEFAULT, _short(tmp, "nodes", "train.steps=12", "train.stop_at=3", "output.plot=false",
+                                      "checkpoint.every=0", "checkpoint.final=false", "output.progress=false"))
+    results = run(rank_main, nproc=1, nnodes=2, args=(cfg.to_dict(), None))
+    assert sorted(results) == [0, 1] and results[0]["world_size"] == 2
+    one_node = [r["loss"] for r in read_metrics(tmp / "full" / "metrics.jsonl")][:3]
+    two_nodes = [r["loss"] for r in read_metrics(tmp / "nodes" / "metrics.jsonl")]
+    assert two_nodes == pytest.approx(one_node, rel=1e-4)
