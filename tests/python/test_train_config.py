@@ -104,6 +104,12 @@ def test_loader_shards_deterministically_and_resumes(tmp_path):
     tokens = tmp_path / "small.bin"
     meta = prepare([str(text)], tokens, tokenizer="bpe", vocab_size=300)
     assert meta["vocab_size"] == 300 and meta["eos_id"] == 1
+    # An HF tokenizer from a directory (the one just trained) gives the same token file.
+    (tmp_path / "tok").mkdir()
+    shutil.copy(tmp_path / "small.tokenizer.json", tmp_path / "tok" / "tokenizer.json")
+    assert main(["data", "prepare", str(text), "--out", str(tmp_path / "again.bin"),
+                 "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert (tmp_path / "again.bin").read_bytes() == tokens.read_bytes()
 
     def batches(world: int, steps: int, start: int = 0) -> list[np.ndarray]:
         loaders = [TokenLoader(tokens, seq_len=32, global_batch=8, micro_batch=8 // world // (2 if world == 1 else 1),
