@@ -123,6 +123,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
+        """Nested plain data (what YAML holds); :func:`from_dict` reads it back."""
         return dataclasses.asdict(self)
 
     def accumulation(self, world_size: int) -> int:

@@ -41,10 +41,12 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
 def meta_path(tokens: str | os.PathLike) -> Path:
+    """``NAME.json`` beside ``NAME.bin``: the token file's metadata."""
     return Path(tokens).with_suffix(".json")
 
 
 def tokenizer_path(tokens: str | os.PathLike) -> Path:
+    """``NAME.tokenizer.json`` beside ``NAME.bin``: the tokenizer that made it."""
     return Path(tokens).with_suffix(".tokenizer.json")
 
 
@@ -220,6 +222,7 @@ class TokenLoader:
 
     @property
     def epoch(self) -> float:
+        """Passes over the file so far (fractional)."""
         return self.position / self.num_samples
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -251,6 +254,7 @@ class TokenLoader:
         self.position += self.global_batch
 
     def state_dict(self) -> dict[str, Any]:
+        """The position, with what must match to resume at it."""
         return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
                 "num_samples": self.num_samples}
 

@@ -55,9 +55,11 @@ class Estimate:
 
     @property
     def total(self) -> int:
+        """The peak RSS estimate: the sum of the parts."""
         return sum(self.parts.values())
 
     def table(self) -> str:
+        """The parts as aligned lines, with the total."""
         width = max(len(k) for k in self.parts)
         rows = [f"    {name:<{width}}  {value / MIB:9.1f} MiB   {self.notes.get(name, '')}"
                 for name, value in self.parts.items()]

@@ -123,6 +123,7 @@ def count_params(model: nn.Module) -> dict[str, int]:
 
 
 def describe_source(cfg: Config) -> str:
+    """Where the initial weights come from, in words."""
     if cfg.model.pretrained is not None:
         return f"weights from {Path(cfg.model.pretrained)}"
     return f"fresh weights (seed {cfg.model.seed}) from {Path(cfg.model.config)}"

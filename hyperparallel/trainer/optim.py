@@ -42,6 +42,7 @@ def lr_at(cfg: Config, step: int) -> float:
 
 
 def set_lr(optimizers: dict[str, torch.optim.Optimizer], lr: float) -> None:
+    """Give every parameter group of every optimizer the learning rate ``lr``."""
     for optimizer in optimizers.values():
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -30,6 +30,7 @@ def rss_bytes() -> int:
 
 
 def human(n: float, unit: str = "") -> str:
+    """``1234567`` -> ``1.23M``: three significant digits and an SI suffix."""
     for suffix in ("", "k", "M", "G", "T"):
         if abs(n) < 1000:
             return f"{n:.3g}{suffix}{unit}" if suffix or n != int(n) else f"{int(n)}{unit}"
@@ -38,6 +39,7 @@ def human(n: float, unit: str = "") -> str:
 
 
 def duration(seconds: float) -> str:
+    """``135.6`` -> ``2:16`` (``h:mm:ss`` from an hour)."""
     seconds = round(seconds)
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
@@ -53,6 +55,7 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+        """Show that ``step`` (1-based) finished."""
         if not self.enabled:
             return
         done = step - self.start
@@ -87,6 +90,7 @@ class Metrics:
         self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one step's record (flushed, so a crash loses nothing written)."""
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 

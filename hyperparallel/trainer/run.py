@@ -74,6 +74,7 @@ def check_output(cfg: Config, overwrite: bool) -> str:
 
 
 def clear_output(cfg: Config) -> None:
+    """Delete ``output.dir`` (``--overwrite``)."""
     out = Path(cfg.output.dir)
     if out.is_dir():
         shutil.rmtree(out)
