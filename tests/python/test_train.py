@@ -104,9 +104,10 @@ def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path, capsys):
     _within(estimate(load_config(DEFAULT, args), 2).total, medium["peak_rss_bytes_per_rank"])
 
 
-def test_two_nodes_hsdp_matches_one_node(full_run):
-    """Two simulated nodes of one rank each (HSDP: shard in the node, replicate across) train
-    on the same global batches as the one-node run, so the first losses agree closely."""
+def test_two_nodes_hsdp_and_accumulation_match_one_node(full_run):
+    """Two simulated nodes of one rank each (HSDP: shard in the node, replicate across), and one
+    rank accumulating two micro-batches, train on the same global batches as the 2-rank run, so
+    the first losses agree closely."""
     from hyperparallel.launch import run
     from hyperparallel.trainer.loop import rank_main
 
@@ -118,3 +119,9 @@ def test_two_nodes_hsdp_matches_one_node(full_run):
     one_node = [r["loss"] for r in read_metrics(tmp / "full" / "metrics.jsonl")][:3]
     two_nodes = [r["loss"] for r in read_metrics(tmp / "nodes" / "metrics.jsonl")]
     assert two_nodes == pytest.approx(one_node, rel=1e-4)
+    cfg = load_config(DEFAULT, _short(tmp, "accumulate", "train.steps=12", "train.stop_at=3", "output.plot=false",
+                                      "checkpoint.every=0", "checkpoint.final=false", "output.progress=false"))
+    results = run(rank_main, nproc=1, args=(cfg.to_dict(), None))
+    assert results[0]["accumulation"] == 2
+    accumulated = [r["loss"] for r in read_metrics(tmp / "accumulate" / "metrics.jsonl")]
+    assert accumulated == pytest.approx(one_node, rel=1e-4)
