@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
             status = getattr(importlib.import_module(module), function)(argv[len(words):])
             return int(status or 0)
     if argv and argv[0] not in ("-h", "--help"):
-        print(f"hyperparallel: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)
+        known = any(words[0] == argv[0] for words in COMMANDS)
+        what = "needs a subcommand" if known and len(argv) == 1 else "is not a command"
+        print(f"hyperparallel: {' '.join(argv[:2])!r} {what}\n", file=sys.stderr)
         print(_usage(), file=sys.stderr)
         return 2
     print(_usage())

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +305,7 @@ def prepare_cli(argv: list[str]) -> int:
             overwrite=args.overwrite,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as error:
-        print(f"hyperparallel data prepare: {error}")
+        print(f"hyperparallel data prepare: {error}", file=sys.stderr)
         return 2
     print(f"wrote {out}: {meta['num_tokens']:,} tokens ({meta['dtype']}), {meta['num_documents']:,} documents, "
           f"vocabulary {meta['vocab_size']:,}; tokenizer {tokenizer_path(out)}")

@@ -93,7 +93,7 @@ def test_refuses_to_overwrite(tmp_path, capsys):
     tokens = tmp_path / "t.bin"
     tokens.write_bytes(b"keep")
     status = main(["data", "prepare", str(REPO / "examples/data/stories.txt"), "--out", str(tokens)])
-    assert status == 2 and "pass --overwrite" in capsys.readouterr().out
+    assert status == 2 and "pass --overwrite" in capsys.readouterr().err
     assert tokens.read_bytes() == b"keep"
 
 
