@@ -74,12 +74,12 @@ def checkpoint_layers(model: nn.Module) -> None:
 
 
 def mixed_precision(cfg: Config):
-    """The MixedPrecisionPolicy for ``model.mixed_precision``: bf16 compute, fp32 reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """The ``hp.MixedPrecisionPolicy`` for ``model.mixed_precision``: bf16 compute, fp32 reduction."""
+    import hyperparallel as hp
 
     if cfg.model.mixed_precision == "bfloat16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return hp.MixedPrecisionPolicy()
 
 
 def shard(model: nn.Module, cfg: Config, mesh) -> None:

@@ -63,8 +63,12 @@ def test_default_run_learns_and_writes_outputs(full_run):
 
 
 def test_resume_reproduces_losses_bitwise(full_run):
+    """Stop at step 5, resume: every step's loss and gradient norm equal the uninterrupted run's.
+    The first half also runs with activation checkpointing, whose recomputation must not
+    change a bit either."""
     tmp, _ = full_run
-    _train(*_short(tmp, "resumed", "train.stop_at=5"))  # stops after step 5 with a checkpoint
+    # Stops after step 5 with a checkpoint.
+    _train(*_short(tmp, "resumed", "train.stop_at=5", "model.activation_checkpointing=true"))
     assert [r["step"] for r in read_metrics(tmp / "resumed" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     result = _train(*_short(tmp, "resumed"))  # no --overwrite: continues from step 5
     assert "resumed from" in result.stdout and "at step 5" in result.stdout
