@@ -9,11 +9,13 @@ verifies sizes and CRCs first, each rank checking a share of the files.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,19 @@ from hyperparallel.checkpoint._storage import CheckpointError, Reader, Writer, i
 MANIFEST = ".checksums.json"
 METADATA = ".metadata"
 
-# Test seam: called (with the staging directory) in the writing thread just
-# before this rank's data file is written. Tests hold a save "in flight" with it.
-_before_write = None
+# Test seam: called (with the staging directory) in the writing thread right
+# after this rank's data file is written, before the metadata and the publish.
+# Tests hold a save "in flight" with it.
+_after_write = None
+
+
+@contextlib.contextmanager
+def _quiet(group):
+    """Without a process group DCP warns that it saves/loads in one process: that is the intent."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _group(process_group) -> tuple[Any, int, int]:
@@ -101,9 +113,10 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
             error = f"cannot create {staged}: {e}; check that {path.parent} is writable"
     _first_error(group, error)
 
-    writer = Writer(staged, before_write=_before_write)
+    writer = Writer(staged, after_write=_after_write)
     try:
-        dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+        with _quiet(group):
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
     except Exception as e:  # DCP wraps rank failures in CheckpointException
@@ -215,7 +228,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
     path = Path(path).absolute()
     verify(path, process_group=process_group)
     try:
-        dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)
+        with _quiet(group):
+            dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
     except Exception as e:
