@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from hyperparallel import _C
@@ -66,6 +67,17 @@ def _first_error(group, error: str | None) -> None:
     found = [e for e in errors if e]
     if found:
         raise CheckpointError(found[0])
+
+
+def _rank_failure(what: str, error: CheckpointException) -> CheckpointError:
+    """DCP's per-rank failures (a BaseException holding tracebacks) as one CheckpointError."""
+    failures = getattr(error, "failures", {}) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+        return CheckpointError(f"{what} failed on rank {rank}: {type(inner).__name__}: {inner}")
+    return CheckpointError(f"{what} failed: {error}")
 
 
 def _check_state_dict(state_dict) -> None:
@@ -119,8 +131,8 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
             dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps rank failures in CheckpointException
-        raise CheckpointError(f"saving {path} failed: {e}") from e
+    except CheckpointException as e:
+        raise _rank_failure(f"saving {path}", e) from None
 
     files = dict(writer.files)
     if group is not None:
@@ -232,8 +244,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
             dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"loading {path} failed: {e}") from e
+    except CheckpointException as e:
+        raise _rank_failure(f"loading {path}", e) from None
 
 
 def _stage(value):
