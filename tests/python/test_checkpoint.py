@@ -227,3 +227,14 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
     assert manager.load_latest(got) == 1 and torch.equal(got["w"], torch.arange(1000.0))
     manager.save(2, {"w": torch.ones(1000), "step": 2})  # the next save clears the leftover
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_crc32_matches_zlib():
+    import zlib
+
+    rng = random.Random(0)
+    for n in [*range(0, 200), 1000, 4097, 1 << 20]:
+        data, start = rng.randbytes(n), rng.getrandbits(32)
+        assert _C.ckpt_crc32(data, start) == zlib.crc32(data, start), n
+    a, b = rng.randbytes(12345), rng.randbytes(777)
+    assert _C.ckpt_crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
