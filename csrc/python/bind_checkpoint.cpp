@@ -34,6 +34,10 @@ void bind_checkpoint(py::module_& m) {
             blobs.push_back(tuple[0].cast<std::string>());
             item.data = blobs.back().data();
             item.nbytes = blobs.back().size();
+          } else if (tuple.size() == 1) {  // a tensor's raw bytes (safetensors)
+            tensors.push_back(tuple[0].cast<at::Tensor>());
+            item.data = cpu_bytes(tensors.back(), "hp.checkpoint save");
+            item.nbytes = uint64_t(tensors.back().nbytes());
           } else {
             tensors.push_back(tuple[0].cast<at::Tensor>());
             const at::Tensor& t = tensors.back();
@@ -55,7 +59,7 @@ void bind_checkpoint(py::module_& m) {
         return py::make_tuple(extents, written.digest.size, written.digest.crc32);
       },
       py::arg("path"), py::arg("items"), py::arg("threads"),
-      "Writes DCP items [(bytes,) | (tensor, storage_type)] to path; returns ([(offset, length)], size, crc32).");
+      "Writes items [(bytes,) | (tensor,) raw | (tensor, storage_type) as torch.save] to path; returns ([(offset, length)], size, crc32).");
   m.def(
       "ckpt_torch_save_bytes",
       [](const std::string& storage_type, const at::Tensor& t) {

@@ -9,17 +9,20 @@ verifies sizes and CRCs first, each rank checking a share of the files.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from hyperparallel import _C
@@ -28,9 +31,19 @@ from hyperparallel.checkpoint._storage import CheckpointError, Reader, Writer, i
 MANIFEST = ".checksums.json"
 METADATA = ".metadata"
 
-# Test seam: called (with the staging directory) in the writing thread just
-# before this rank's data file is written. Tests hold a save "in flight" with it.
-_before_write = None
+# Test seam: called (with the staging directory) in the writing thread right
+# after this rank's data file is written, before the metadata and the publish.
+# Tests hold a save "in flight" with it.
+_after_write = None
+
+
+@contextlib.contextmanager
+def _quiet(group):
+    """Without a process group DCP warns that it saves/loads in one process: that is the intent."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _group(process_group) -> tuple[Any, int, int]:
@@ -54,6 +67,17 @@ def _first_error(group, error: str | None) -> None:
     found = [e for e in errors if e]
     if found:
         raise CheckpointError(found[0])
+
+
+def _rank_failure(what: str, error: CheckpointException) -> CheckpointError:
+    """DCP's per-rank failures (a BaseException holding tracebacks) as one CheckpointError."""
+    failures = getattr(error, "failures", {}) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+        return CheckpointError(f"{what} failed on rank {rank}: {type(inner).__name__}: {inner}")
+    return CheckpointError(f"{what} failed: {error}")
 
 
 def _check_state_dict(state_dict) -> None:
@@ -101,13 +125,14 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
             error = f"cannot create {staged}: {e}; check that {path.parent} is writable"
     _first_error(group, error)
 
-    writer = Writer(staged, before_write=_before_write)
+    writer = Writer(staged, after_write=_after_write)
     try:
-        dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+        with _quiet(group):
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps rank failures in CheckpointException
-        raise CheckpointError(f"saving {path} failed: {e}") from e
+    except CheckpointException as e:
+        raise _rank_failure(f"saving {path}", e) from None
 
     files = dict(writer.files)
     if group is not None:
@@ -215,11 +240,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
     path = Path(path).absolute()
     verify(path, process_group=process_group)
     try:
-        dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)
+        with _quiet(group):
+            dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"loading {path} failed: {e}") from e
+    except CheckpointException as e:
+        raise _rank_failure(f"loading {path}", e) from None
 
 
 def _stage(value):

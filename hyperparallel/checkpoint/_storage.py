@@ -14,6 +14,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from functools import cache
 
@@ -56,8 +57,11 @@ def _dtype_of(storage_name: str) -> torch.dtype:
     obj = getattr(torch, storage_name, None)
     if isinstance(obj, torch.dtype):
         return obj
-    if obj is not None and isinstance(getattr(obj, "dtype", None), torch.dtype):
-        return obj.dtype
+    with warnings.catch_warnings():  # the legacy storage classes are deprecated, but name the dtypes
+        warnings.simplefilter("ignore")
+        dtype = getattr(obj, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
     raise CheckpointError(f"unknown tensor storage type {storage_name!r} in a checkpoint item")
 
 
@@ -92,10 +96,10 @@ class Writer(FileSystemWriter):
     ``files`` maps each file written by this rank to (size, crc32).
     """
 
-    def __init__(self, path: str | os.PathLike, before_write=None) -> None:
+    def __init__(self, path: str | os.PathLike, after_write=None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.files: dict[str, tuple[int, int]] = {}
-        self._before_write = before_write
+        self._after_write = after_write
 
     def write_data(self, plan, planner):
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -109,12 +113,12 @@ class Writer(FileSystemWriter):
             else:
                 tensor = data.detach().cpu().contiguous()
                 entries.append((tensor, storage_type(tensor.dtype)))
-        if self._before_write is not None:
-            self._before_write(self.path)
         try:
             extents, size, crc = _C.ckpt_write_file(os.path.join(self.path, file_name), entries, io_threads())
         except RuntimeError as error:
             raise CheckpointError(str(error)) from None
+        if self._after_write is not None:
+            self._after_write(self.path)
         self.files[file_name] = (size, crc)
         results = [
             WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))

@@ -1,0 +1,240 @@
+"""hp.checkpoint in one process: torch.save-exact items, DCP interop, integrity checks,
+the manager's retention, async saves that overlap training and survive a kill."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import hyperparallel.checkpoint as ckpt
+from hyperparallel import _C
+from hyperparallel.checkpoint import _api
+from hyperparallel.checkpoint._storage import storage_type
+
+
+def sample_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    return {
+        "w": torch.randn(33, 7),
+        "half": torch.randn(4, 5, 6).bfloat16(),
+        "scalar": torch.tensor(2.5),
+        "ids": torch.arange(10),
+        "empty": torch.zeros(0, 3),
+        "step": 3 + seed,
+        "lr": 0.25,
+        "rng": torch.get_rng_state(),
+        "py_rng": random.Random(seed).getstate(),
+        "loader": {"epoch": 1, "position": 17, "order": [2, 0, 1], "raw": b"\x00\xff"},
+    }
+
+
+def blank(state: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.full_like(value, 7) if value.numel() else torch.empty_like(value)
+        elif isinstance(value, dict):
+            out[key] = blank(value)
+        else:
+            out[key] = None
+    return out
+
+
+def assert_equal(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        elif isinstance(value, dict):
+            assert_equal(got[key], value)
+        else:
+            assert got[key] == value, key
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.arange(6.0).reshape(2, 3), torch.tensor(3.0), torch.randn(2, 3, 4, 5, 6).bfloat16(), torch.zeros(0, 4),
+     torch.arange(300).reshape(300, 1), torch.ones(70000, dtype=torch.int8), torch.ones(5, dtype=torch.bool),
+     torch.randn(3).half(), torch.randn(2, 2, dtype=torch.complex64)],
+)
+def test_items_are_torch_save_bytes(tensor):
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    assert _C.ckpt_torch_save_bytes(storage_type(tensor.dtype), tensor) == buffer.getvalue()
+
+
+def test_round_trip_and_dcp_interop_both_ways(tmp_path):
+    state = sample_state()
+    ckpt.save(state, tmp_path / "ours")
+    dcp.save(state, checkpoint_id=str(tmp_path / "theirs"))
+    # Same planner, same layout, same item bytes: the data files are identical.
+    assert (tmp_path / "ours/__0_0.distcp").read_bytes() == (tmp_path / "theirs/__0_0.distcp").read_bytes()
+    for loader, source in ((ckpt.load, "ours"), (ckpt.load, "theirs")):
+        got = blank(state)
+        loader(got, tmp_path / source)
+        assert_equal(got, state)
+    got = blank(state)
+    dcp.load(got, checkpoint_id=str(tmp_path / "ours"))
+    assert_equal(got, state)
+
+
+def test_partial_loads_and_blocks(tmp_path):
+    """Loading a block of a saved tensor (non-contiguous as well) and dtype mismatch errors."""
+    state = sample_state()
+    ckpt.save(state, tmp_path / "c")
+    got = {"w": torch.zeros(33, 7), "step": None}
+    ckpt.load(got, tmp_path / "c")
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+    with pytest.raises(ckpt.CheckpointError, match="w"):
+        ckpt.load({"w": torch.zeros(32, 7)}, tmp_path / "c")
+
+
+def test_overwrite_keeps_old_until_new_is_complete(tmp_path):
+    ckpt.save(sample_state(0), tmp_path / "c")
+    ckpt.save(sample_state(1), tmp_path / "c")
+    got = blank(sample_state(1))
+    ckpt.load(got, tmp_path / "c")
+    assert_equal(got, sample_state(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_corrupted_and_truncated_files_are_refused(tmp_path):
+    state = sample_state()
+    ckpt.save(state, tmp_path / "c")
+    data = tmp_path / "c/__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp is corrupted"):
+        ckpt.load(blank(state), tmp_path / "c")
+
+    ckpt.save(state, tmp_path / "c")
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 100)
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp is truncated"):
+        ckpt.load(blank(state), tmp_path / "c")
+
+    ckpt.save(state, tmp_path / "c")
+    (tmp_path / "c/.metadata").write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match=r"\.metadata"):
+        ckpt.load(blank(state), tmp_path / "c")
+
+    # A checkpoint written by torch DCP has no checksums; truncation is still caught.
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"))
+    with open(tmp_path / "d/__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp is truncated"):
+        ckpt.load(blank(state), tmp_path / "d")
+
+
+def test_bad_input_errors(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match="must be a dict"):
+        ckpt.save([torch.zeros(2)], tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointError, match="keys must be str"):
+        ckpt.save({1: torch.zeros(2)}, tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint"):
+        ckpt.load({"w": torch.zeros(2)}, tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="keep_last"):
+        ckpt.CheckpointManager(tmp_path, keep_last=0)
+
+
+def test_manager_latest_and_keep_last(tmp_path):
+    manager = ckpt.CheckpointManager(tmp_path / "run", keep_last=2)
+    assert manager.latest() is None and manager.load_latest(blank(sample_state())) is None
+    for step in (1, 2, 3):
+        assert manager.save(step, sample_state(step)) == tmp_path / "run" / f"step_{step:08d}"
+    assert manager.steps() == [2, 3]
+    assert manager.latest() == tmp_path / "run/step_00000003"
+    got = blank(sample_state(3))
+    assert manager.load_latest(got) == 3
+    assert_equal(got, sample_state(3))
+
+
+def test_async_save_overlaps_training(tmp_path):
+    """The step runs while the save is held in flight; the checkpoint holds the state at the call."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    written, release = threading.Event(), threading.Event()
+
+    def hold(path):
+        written.set()
+        release.wait()
+
+    _api._after_write = hold
+    try:
+        manager = ckpt.CheckpointManager(tmp_path, keep_last=1)
+        manager.save(5, {"model": model.state_dict(), "step": 5}, async_=True)
+        assert written.wait(60)
+        pending = manager._pending
+        model(torch.randn(4, 16)).sum().backward()  # a training step while the save is in flight
+        opt.step()
+        assert not pending.done() and manager.latest() is None
+        release.set()
+        manager.wait()
+    finally:
+        _api._after_write = None
+        release.set()
+    assert pending.done() and manager.latest() == tmp_path / "step_00000005"
+    got = {"model": {k: torch.zeros_like(v) for k, v in before.items()}, "step": 0}
+    assert manager.load_latest(got) == 5
+    assert_equal(got["model"], before)
+    assert not torch.equal(model.weight, before["weight"])
+
+
+KILLED_CHILD = textwrap.dedent(
+    """
+    import sys, threading, torch
+    import hyperparallel.checkpoint as ckpt
+    from hyperparallel.checkpoint import _api
+    manager = ckpt.CheckpointManager(sys.argv[1])
+    manager.save(1, {"w": torch.arange(1000.0), "step": 1})
+    def hold(path):
+        print("WRITING", flush=True)
+        threading.Event().wait()
+    _api._after_write = hold
+    manager.save(2, {"w": torch.arange(1000.0) * 2, "step": 2}, async_=True)
+    threading.Event().wait()
+    """
+)
+
+
+def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "WRITING"
+        assert (tmp_path / ".step_00000002.partial/__0_0.distcp").exists()  # step 2's data is on disk ...
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    manager = ckpt.CheckpointManager(tmp_path)
+    assert manager.latest() == tmp_path / "step_00000001"  # ... but only step 1 is a checkpoint
+    with pytest.raises(ckpt.CheckpointError, match="incomplete"):
+        ckpt.load({"w": torch.zeros(1000)}, tmp_path / "step_00000002")
+    got = {"w": torch.zeros(1000), "step": 0}
+    assert manager.load_latest(got) == 1 and torch.equal(got["w"], torch.arange(1000.0))
+    manager.save(2, {"w": torch.ones(1000), "step": 2})  # the next save clears the leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_crc32_matches_zlib():
+    import zlib
+
+    rng = random.Random(0)
+    for n in [*range(0, 200), 1000, 4097, 1 << 20]:
+        data, start = rng.randbytes(n), rng.getrandbits(32)
+        assert _C.ckpt_crc32(data, start) == zlib.crc32(data, start), n
+    a, b = rng.randbytes(12345), rng.randbytes(777)
+    assert _C.ckpt_crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)

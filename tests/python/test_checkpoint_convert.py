@@ -1,0 +1,80 @@
+"""hyperparallel convert: checkpoint -> HF directory that transformers loads with the same
+logits, and HF directory (ours, or hub-style per-expert weights) -> checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import hyperparallel.checkpoint as ckpt
+from hyperparallel.checkpoint.convert import main, read_safetensors
+
+CONFIG = {
+    "vocab_size": 101, "hidden_size": 48, "intermediate_size": 40, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16,
+    "num_experts": 3, "num_experts_per_tok": 2, "max_position_embeddings": 64,
+}
+
+
+def tiny_model(seed: int = 0) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
+
+
+def test_to_hf_loads_in_transformers_with_same_logits(tmp_path):
+    model = tiny_model()
+    ckpt.save({"model": model.state_dict(), "step": 7}, tmp_path / "ckpt")
+    model.config.to_json_file(tmp_path / "config.json")
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "config.json"),
+                 "--max-shard-size", "40KB"]) == 0
+    index = json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+    # And back: HF directory -> checkpoint -> the same weights.
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    state = {"model": tiny_model(1).state_dict()}
+    ckpt.load(state, tmp_path / "back")
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
+
+
+def test_from_hf_fuses_hub_style_experts(tmp_path):
+    model = tiny_model()
+    hub = {}
+    for key, value in model.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            stack = key[: -len(".gate_up_proj")]
+            for e in range(value.shape[0]):
+                gate, up = value[e].chunk(2)
+                hub[f"{stack}.{e}.gate_proj.weight"] = gate.clone()
+                hub[f"{stack}.{e}.up_proj.weight"] = up.clone()
+        elif key.endswith("experts.down_proj"):
+            stack = key[: -len(".down_proj")]
+            for e in range(value.shape[0]):
+                hub[f"{stack}.{e}.down_proj.weight"] = value[e].clone()
+        else:
+            hub[key] = value.clone()
+    (tmp_path / "hub").mkdir()
+    save_file(hub, tmp_path / "hub/model.safetensors")
+    assert read_safetensors(tmp_path / "hub/model.safetensors").keys() == hub.keys()
+    assert main(["from-hf", str(tmp_path / "hub"), str(tmp_path / "ckpt")]) == 0
+    state = {"model": tiny_model(1).state_dict()}
+    ckpt.load(state, tmp_path / "ckpt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
+
+
+def test_convert_errors_name_the_fix(tmp_path, capsys):
+    assert main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "hf"), "--config", str(tmp_path / "c.json")]) == 1
+    assert "config.json with --config" in capsys.readouterr().out
+    ckpt.save({"weights": {"w": torch.zeros(2)}}, tmp_path / "ckpt")
+    (tmp_path / "c.json").write_text("{}")
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "c.json")]) == 1
+    assert "--prefix" in capsys.readouterr().out

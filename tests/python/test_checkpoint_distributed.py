@@ -1,0 +1,201 @@
+"""hp.checkpoint on real ranks: hp.fully_shard models with Muon + AdamW state, saved at 2
+ranks; resumed bitwise; read by torch DCP and reading DCP's; resharded to 1, 3, 4 ranks
+and a 2x2 HSDP mesh."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import hyperparallel as hp
+import hyperparallel.checkpoint
+import hyperparallel.optim
+from hyperparallel.launch import run
+
+# Dim 0 of many parameters does not divide 2, 3 or 4 (vocab 101, 3 experts, 16-row k_proj).
+CONFIG = {
+    "vocab_size": 101, "hidden_size": 48, "intermediate_size": 40, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16,
+    "num_experts": 3, "num_experts_per_tok": 2, "max_position_embeddings": 64, "torch_dtype": "float32",
+}
+SAVE_AT, STEPS = 2, 4
+
+
+def build(mesh=None):
+    torch.set_num_threads(1)
+    hp.comm.init()
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+    for layer in model.model.layers:
+        hp.fully_shard(layer, mesh=mesh)
+    hp.fully_shard(model, mesh=mesh)
+    muon, adamw = hyperparallel.optim.muon_with_adamw(model, lr=1e-2)
+    return model, muon, adamw
+
+
+def state_of(model, muon, adamw, step: int) -> dict:
+    return {
+        "model": model.state_dict(),
+        "optim": {"muon": muon.state_dict(), "adamw": adamw.state_dict()},
+        "step": step,
+        "rng": torch.get_rng_state(),
+        "loader": {"epoch": 0, "position": step * 2, "order": [3, 1, 2]},
+    }
+
+
+def apply_state(model, muon, adamw, state) -> None:
+    model.load_state_dict(state["model"])
+    muon.load_state_dict(state["optim"]["muon"])
+    adamw.load_state_dict(state["optim"]["adamw"])
+    torch.set_rng_state(state["rng"])
+
+
+def init_optimizer_state(model, opts) -> None:
+    """Create every optimizer's state (zero grads, lr 0) so that a load has tensors to fill."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for opt in opts:
+        lrs = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        opt.step()
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        opt.zero_grad()
+
+
+def train_step(model, opts, step: int) -> float:
+    rank = dist.get_rank()
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
+    noise = torch.rand(()).item() * 1e-3  # draws from the global RNG: resumes must restore it
+    loss = model(ids, labels=ids).loss * (1 + noise)
+    loss.backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return loss.item()
+
+
+def full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def snapshot(model, muon, adamw) -> dict:
+    out = {f"model.{k}": full(v).clone() for k, v in model.state_dict().items()}
+    for name, opt in (("muon", muon), ("adamw", adamw)):
+        for index, state in opt.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{name}.{index}.{key}"] = full(value).clone()
+    return out
+
+
+def save_run(root: str) -> dict:
+    """Uninterrupted run at 2 ranks; checkpoints after SAVE_AT steps with hp and with DCP."""
+    model, muon, adamw = build()
+    losses = [train_step(model, (muon, adamw), s) for s in range(SAVE_AT)]
+    manager = hp.checkpoint.CheckpointManager(pathlib.Path(root) / "hp", keep_last=2)
+    manager.save(SAVE_AT, state_of(model, muon, adamw, SAVE_AT))
+    dcp.save(state_of(model, muon, adamw, SAVE_AT), checkpoint_id=str(pathlib.Path(root) / "dcp"))
+    saved = snapshot(model, muon, adamw)
+    losses += [train_step(model, (muon, adamw), s) for s in range(SAVE_AT, STEPS)]
+    return {"losses": losses, "saved": saved, "rng": torch.get_rng_state()}
+
+
+def resume_run(root: str) -> dict:
+    """Fresh processes: resume from hp's checkpoint, and cross-read hp's and DCP's checkpoints."""
+    root = pathlib.Path(root)
+    model, muon, adamw = build()
+    init_optimizer_state(model, (muon, adamw))
+    state = state_of(model, muon, adamw, 0)
+    step = hp.checkpoint.CheckpointManager(root / "hp").load_latest(state)
+    apply_state(model, muon, adamw, state)
+    loaded = snapshot(model, muon, adamw)
+    loader = state["loader"]
+    losses = [train_step(model, (muon, adamw), s) for s in range(step, STEPS)]
+
+    # DCP reads ours; we read DCP's: both give the same values.
+    cross = {}
+    for reader, source in (("dcp", root / "hp" / f"step_{SAVE_AT:08d}"), ("hp", root / "dcp")):
+        m, mu, ad = build()
+        init_optimizer_state(m, (mu, ad))
+        other = state_of(m, mu, ad, 0)
+        if reader == "dcp":
+            dcp.load(other, checkpoint_id=str(source))
+        else:
+            hp.checkpoint.load(other, source)
+        apply_state(m, mu, ad, other)
+        cross[reader] = (snapshot(m, mu, ad), other["step"], other["loader"])
+    return {"step": step, "loaded": loaded, "losses": losses, "loader": loader, "cross": cross}
+
+
+def reshard_run(root: str, hsdp: bool) -> dict:
+    mesh = None
+    if hsdp:
+        topology = hp.comm.init().topology
+        mesh = init_device_mesh("cpu", (topology.num_nodes, topology.local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    model, muon, adamw = build(mesh)
+    init_optimizer_state(model, (muon, adamw))
+    state = state_of(model, muon, adamw, 0)
+    hp.checkpoint.load(state, pathlib.Path(root) / "hp" / f"step_{SAVE_AT:08d}")
+    apply_state(model, muon, adamw, state)
+    return {"loaded": snapshot(model, muon, adamw), "step": state["step"],
+            "local_rows": model.model.embed_tokens.weight.to_local().shape[0]}
+
+
+def assert_same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    results = run(save_run, nproc=2, args=(str(root),))
+    return root, results
+
+
+def test_resume_reproduces_uninterrupted_losses_and_dcp_interop(saved):
+    root, original = saved
+    results = run(resume_run, nproc=2, args=(str(root),))
+    for rank, result in results.items():
+        assert result["step"] == SAVE_AT
+        assert_same(result["loaded"], original[rank]["saved"])
+        assert result["loader"] == {"epoch": 0, "position": SAVE_AT * 2, "order": [3, 1, 2]}
+        assert result["losses"] == original[rank]["losses"][SAVE_AT:]  # bitwise
+        for reader in ("dcp", "hp"):
+            values, step, loader = result["cross"][reader]
+            assert_same(values, original[rank]["saved"])
+            assert step == SAVE_AT and loader["position"] == SAVE_AT * 2
+
+
+@pytest.mark.parametrize("nproc,nnodes", [(3, 1), (4, 1), (2, 2)])
+def test_reshard_on_load(saved, nproc, nnodes):
+    root, original = saved
+    results = run(reshard_run, nproc=nproc, nnodes=nnodes, args=(str(root), nnodes > 1))
+    for result in results.values():
+        assert result["step"] == SAVE_AT
+        assert_same(result["loaded"], original[0]["saved"])
+    assert sum(r["local_rows"] for r in results.values()) == CONFIG["vocab_size"] * nnodes
+
+
+def test_reshard_to_one_plain_process(saved):
+    """2 sharded ranks -> one process without torch.distributed: plain tensors."""
+    root, original = saved
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+    state = {"model": model.state_dict(), "step": 0}
+    hp.checkpoint.load(state, root / "hp" / f"step_{SAVE_AT:08d}")
+    model.load_state_dict(state["model"])
+    assert state["step"] == SAVE_AT
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, original[0]["saved"][f"model.{key}"]), key
