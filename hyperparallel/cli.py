@@ -7,6 +7,7 @@ Example::
 
     hyperparallel train examples/default.yaml --nproc 2
     hyperparallel data prepare examples/data/stories.txt --out runs/data/stories.bin
+    hyperparallel convert to-hf runs/default/checkpoints/step_00000300 runs/hf --config examples/tiny-moe.config.json
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train",): ("hyperparallel.trainer.run:main", "train a model from a YAML config (docs/train.md)"),
     ("data", "prepare"): ("hyperparallel.trainer.data:prepare_cli", "tokenize text files into a token file"),
+    ("convert",): ("hyperparallel.checkpoint.convert:main", "checkpoint <-> HuggingFace model directory"),
 }
 
 

@@ -129,3 +129,25 @@ def test_two_nodes_hsdp_and_accumulation_match_one_node(full_run):
     assert results[0]["accumulation"] == 2
     accumulated = [r["loss"] for r in read_metrics(tmp / "accumulate" / "metrics.jsonl")]
     assert accumulated == pytest.approx(one_node, rel=1e-4)
+
+
+def test_checkpoint_converts_to_a_hf_model_that_continues(full_run, tmp_path):
+    """``hyperparallel convert to-hf`` of the trainer's last checkpoint is a HF directory whose
+    weights (loaded as ``model.pretrained``) are the trained ones: lower loss than fresh weights."""
+    import torch
+
+    from hyperparallel.trainer import model as model_lib
+    from hyperparallel.trainer.data import TokenLoader
+
+    tmp, _ = full_run
+    checkpoint = tmp / "full" / "checkpoints" / f"step_{STEPS:08d}"
+    config = REPO / "examples" / "tiny-moe.config.json"
+    assert main(["convert", "to-hf", str(checkpoint), str(tmp_path / "hf"), "--config", str(config)]) == 0
+    trained = model_lib.build(load_config(DEFAULT, ["model.config=null", f"model.pretrained={tmp_path / 'hf'}"]))
+    fresh = model_lib.build(load_config(DEFAULT))
+    loader = TokenLoader(tmp / "data" / "stories.bin", seq_len=256, global_batch=4, micro_batch=4, dp_rank=0,
+                         dp_size=1, seed=1)
+    ids = loader.micro_batch(0)
+    with torch.no_grad():
+        losses = [m(input_ids=ids, labels=ids).loss.item() for m in (fresh, trained)]
+    assert losses[1] < losses[0] - 1.0, losses
