@@ -68,16 +68,16 @@ def worker(config: str, rounds: int, root: str) -> dict:
         for system in ("hp", "torch"):
             path = Path(root) / f"{system}_{r}"
             if system == "hp":
-                times["hp save"].append(timed(lambda: hp.checkpoint.save(state, path)))
+                times["hp save"].append(timed(lambda path=path: hp.checkpoint.save(state, path)))
             else:
-                times["torch save"].append(timed(lambda: dcp.save(state, checkpoint_id=str(path))))
+                times["torch save"].append(timed(lambda path=path: dcp.save(state, checkpoint_id=str(path))))
             nbytes[system] = size_of(path)
         for system in ("hp", "torch"):
             path = Path(root) / f"{system}_{r}"
             if system == "hp":
-                times["hp load"].append(timed(lambda: hp.checkpoint.load(state, path)))
+                times["hp load"].append(timed(lambda path=path: hp.checkpoint.load(state, path)))
             else:
-                times["torch load"].append(timed(lambda: dcp.load(state, checkpoint_id=str(path))))
+                times["torch load"].append(timed(lambda path=path: dcp.load(state, checkpoint_id=str(path))))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path)

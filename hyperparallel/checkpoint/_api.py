@@ -210,7 +210,7 @@ def _verify_share(path: Path, rank: int, world: int) -> str | None:
             )
     mine = [n for i, n in enumerate(names) if i % world == rank or n == METADATA]
     for name in mine:
-        size, crc = _C.ckpt_digest_file(str(path / name), io_threads())
+        _, crc = _C.ckpt_digest_file(str(path / name), io_threads())
         if crc != files[name]["crc32"]:
             return (
                 f"checkpoint file {path / name} is corrupted: CRC-32 {crc:08x}, {files[name]['crc32']:08x} recorded; "

@@ -108,7 +108,7 @@ class CheckpointManager:
         return step
 
     def _retain_on_rank0(self) -> None:
-        group, rank, _ = _group(self.process_group)
+        _, rank, _ = _group(self.process_group)
         if rank == 0:
             self._retain(None)
 

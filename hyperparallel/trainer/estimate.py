@@ -3,7 +3,7 @@
 Memory is what the OS will count for each rank (peak resident set size), in parts:
 
 - **runtime**: the interpreter, torch, transformers and hyperparallel once imported,
-  measured in this process (which imports the same modules), plus what a rank adds
+  measured in a fresh interpreter that imports the same modules, plus what a rank adds
   before the model exists (process group, fabric, thread pools; a measured constant);
 - **parameters**: the full fp32 parameters live once per node in shared memory, and
   every rank reads all of them in forward, so every rank's RSS counts them; with bf16
@@ -25,7 +25,10 @@ Memory is what the OS will count for each rank (peak resident set size), in part
 
 from __future__ import annotations
 
+import functools
 import math
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from torch import nn
 
 from hyperparallel.trainer import model as model_lib
 from hyperparallel.trainer.config import Config
-from hyperparallel.trainer.report import MIB, human, rss_bytes
+from hyperparallel.trainer.report import MIB, human
 
 # What a rank loads on first use beyond this process's imports: MKL/oneDNN kernels
 # (mapped library pages grow by ~35 MiB over a rank's first step), the reducer thread's
@@ -124,15 +127,18 @@ def _groups(model: nn.Module) -> list[int]:
     return [*sizes, sum(p.numel() for p in model.parameters()) - sum(sizes)]
 
 
+@functools.cache
 def runtime_bytes() -> int:
-    """RSS of this process once it has imported what a rank imports."""
-    import torch.distributed.checkpoint  # noqa: F401
-    import transformers  # noqa: F401
+    """RSS of a fresh interpreter once it has imported what a rank imports.
 
-    import hyperparallel.nn
-    import hyperparallel.optim  # noqa: F401
-
-    return rss_bytes()
+    Measured in a child process: this process may hold far more than a rank starts
+    with (a test session, a notebook that has built models).
+    """
+    probe = ("import torch.distributed.checkpoint, transformers, hyperparallel.nn, hyperparallel.optim\n"
+             "from hyperparallel.trainer.report import rss_bytes\n"
+             "print(rss_bytes())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
 
 
 def estimate(cfg: Config, world: int) -> Estimate:

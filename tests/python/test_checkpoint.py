@@ -233,7 +233,7 @@ def test_crc32_matches_zlib():
     import zlib
 
     rng = random.Random(0)
-    for n in [*range(0, 200), 1000, 4097, 1 << 20]:
+    for n in [*range(200), 1000, 4097, 1 << 20]:
         data, start = rng.randbytes(n), rng.getrandbits(32)
         assert _C.ckpt_crc32(data, start) == zlib.crc32(data, start), n
     a, b = rng.randbytes(12345), rng.randbytes(777)

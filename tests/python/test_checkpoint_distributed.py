@@ -153,8 +153,8 @@ def reshard_run(root: str, hsdp: bool) -> dict:
 
 def assert_same(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(got[key], expected[key]), key
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
 
 
 @pytest.fixture(scope="module")
