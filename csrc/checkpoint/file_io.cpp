@@ -1,7 +1,6 @@
-// Parallel file I/O for checkpoints: one pass of pwrites (computing CRCs of
-// what is written) and one of preads, split into pieces that threads take in
-// turn, so a rank's file is written at the disk's speed rather than one
-// Python write call at a time.
+// File I/O for checkpoints: one pass of pwrites in file order (computing the
+// CRCs of what is written) straight from the tensors, and preads split into
+// pieces that threads take in turn, straight into the destination tensors.
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -129,8 +128,7 @@ struct Segment {
 
 }  // namespace
 
-WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items, int threads,
-                       uint64_t piece_bytes) {
+WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items, uint64_t piece_bytes) {
   piece_bytes = std::max<uint64_t>(piece_bytes, 1 << 20);
   WrittenFile result;
   std::vector<std::unique_ptr<TensorItemLayout>> layouts(items.size());
@@ -159,18 +157,15 @@ WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& it
     result.items.push_back(extent);
   }
 
+  // One pass in file order: buffered writes to one file serialise on its
+  // inode lock, so more writer threads only contend (measured: 4 threads
+  // took 1.5-2x as long as one for a 376 MB file on ext4).
   Fd fd(path, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC);
   if (::ftruncate(fd.get(), off_t(cursor)) != 0) throw std::runtime_error(sys_error("cannot size", path));
-  // Largest first, so that the last pieces to finish are small ones.
-  std::vector<size_t> order(segments.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return segments[a].length > segments[b].length; });
-  parallel_for(order.size(), threads, [&](size_t k, int) {
-    Segment& s = segments[order[k]];
+  for (Segment& s : segments) {
     s.crc = crc32(s.data, s.length);
     fd.pwrite_all(s.data, s.length, s.offset);
-  });
+  }
 
   // Each tensor's CRC from its pieces, then its suffix.
   std::vector<uint32_t> data_crc(items.size(), 0);

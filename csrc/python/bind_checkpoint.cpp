@@ -20,7 +20,7 @@ const void* cpu_bytes(const at::Tensor& t, const char* what) {
 void bind_checkpoint(py::module_& m) {
   m.def(
       "ckpt_write_file",
-      [](const std::string& path, const py::list& entries, int threads) {
+      [](const std::string& path, const py::list& entries) {
         // Keep tensors and bytes alive while the GIL is released.
         std::vector<at::Tensor> tensors;
         std::vector<std::string> blobs;
@@ -52,13 +52,13 @@ void bind_checkpoint(py::module_& m) {
         ckpt::WrittenFile written;
         {
           py::gil_scoped_release no_gil;
-          written = ckpt::write_file(path, items, threads);
+          written = ckpt::write_file(path, items);
         }
         py::list extents;
         for (const auto& e : written.items) extents.append(py::make_tuple(e.offset, e.length));
         return py::make_tuple(extents, written.digest.size, written.digest.crc32);
       },
-      py::arg("path"), py::arg("items"), py::arg("threads"),
+      py::arg("path"), py::arg("items"),
       "Writes items [(bytes,) | (tensor,) raw | (tensor, storage_type) as torch.save] to path; returns ([(offset, length)], size, crc32).");
   m.def(
       "ckpt_torch_save_bytes",

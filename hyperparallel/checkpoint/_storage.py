@@ -38,7 +38,7 @@ class CheckpointError(Exception):
 
 
 def io_threads() -> int:
-    """Threads per rank for checkpoint file I/O (``HP_CKPT_THREADS``, default 4)."""
+    """Threads per rank reading and verifying checkpoint files (``HP_CKPT_THREADS``, default 4)."""
     return max(1, int(os.environ.get("HP_CKPT_THREADS", "4")))
 
 
@@ -114,7 +114,7 @@ class Writer(FileSystemWriter):
                 tensor = data.detach().cpu().contiguous()
                 entries.append((tensor, storage_type(tensor.dtype)))
         try:
-            extents, size, crc = _C.ckpt_write_file(os.path.join(self.path, file_name), entries, io_threads())
+            extents, size, crc = _C.ckpt_write_file(os.path.join(self.path, file_name), entries)
         except RuntimeError as error:
             raise CheckpointError(str(error)) from None
         if self._after_write is not None:

@@ -80,7 +80,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike)
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    _, size, _ = _C.ckpt_write_file(str(path), [(struct.pack("<Q", len(blob)) + blob,), *entries], io_threads())
+    _, size, _ = _C.ckpt_write_file(str(path), [(struct.pack("<Q", len(blob)) + blob,), *entries])
     return size
 
 

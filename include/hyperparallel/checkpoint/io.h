@@ -59,10 +59,10 @@ struct WrittenFile {
   FileDigest digest;
 };
 
-// Writes `items` to `path` (created or truncated, mode 0644) with up to
-// `threads` threads pwriting pieces of at most `piece_bytes` in parallel,
-// then fsyncs. Throws std::runtime_error naming the path on any failure.
-WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items, int threads,
+// Writes `items` to `path` (created or truncated, mode 0644) in one pass of
+// pwrites of at most `piece_bytes`, straight from the items' memory, then
+// fsyncs. Throws std::runtime_error naming the path on any failure.
+WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items,
                        uint64_t piece_bytes = 32ull << 20);
 
 // The bytes torch.save writes for a contiguous tensor (for tests and small
