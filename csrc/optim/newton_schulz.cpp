@@ -10,11 +10,12 @@ namespace {
 
 std::atomic<uint64_t> ns_calls{0}, ns_matrices{0};
 
-// Row panels of the symmetric products are about this tall. Thinner panels
-// skip more of the lower triangle, but the GEMM kernel runs less efficiently
-// on thinner operands; on AVX-512 cores with bfloat16 dot products, two
-// panels for 384 rows and three for 512 were the fastest, and one for 192.
-constexpr int64_t kPanelRows = 160;
+// Row panels of the symmetric products are at least this tall. Thinner
+// panels skip more of the lower triangle, but the GEMM kernel runs less
+// efficiently on thinner operands; on AVX-512 cores with bfloat16 dot
+// products (one thread, best of 3), three panels for 384 rows and four for
+// 512 were the fastest, and one for 192.
+constexpr int64_t kPanelRows = 128;
 
 // Matrices go through all the steps a group at a time, the group's operands
 // about this size: several small matrices share each GEMM call, while large
@@ -41,7 +42,7 @@ void mirror_upper(at::Tensor& a) {
 // result is bit for bit the full product's.
 void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha) {
   const int64_t count = a.size(0), m = a.size(1);
-  const int64_t panels = std::max<int64_t>(1, (m + kPanelRows / 2) / kPanelRows);
+  const int64_t panels = std::max<int64_t>(1, m / kPanelRows);
   if (panels == 1) {
     if (c.defined())
       at::baddbmm_out(out, c, a, a.transpose(1, 2), beta, alpha);

@@ -10,8 +10,8 @@ import hyperparallel.optim as hpo
 from hyperparallel import _C
 
 NS = (3.4445, -4.775, 2.0315)
-# Wide, tall and square; several of one shape (a batch); 260+ rows or
-# columns make the symmetric products run in two row panels.
+# Wide, tall and square; several of one shape (a batch); the smaller side of
+# 256+ makes the symmetric products run in two row panels (384+: three, 512+: four).
 SHAPES = [(24, 40), (40, 24), (32, 32), (32, 32), (7, 12), (1, 5), (260, 300), (300, 260)]
 
 
@@ -98,7 +98,7 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
     assert sorted(optimizer.owned()) == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1)]
 
 
-@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7)])
+@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (1, 400, 520), (1, 530, 520)])
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     # The symmetric products are computed a row panel at a time: each
     # element is the same dot product, in the same order, as in torch's GEMM.
