@@ -4,6 +4,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>

@@ -512,6 +512,46 @@ void aux_loss_backward(c10::ScalarType t, const void* logits, int64_t rows, int6
   });
 }
 
+// ---------------------------------------------------------------------------
+// Muon's elementwise passes.
+
+// a * b + c rounded once, as ATen's vec::fmadd.
+HP_INL vf vfma(vf a, vf b, vf c) {
+#if HP_SIMD_WIDTH == 16
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif HP_SIMD_WIDTH == 8
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int l = 0; l < W; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+
+// ATen's vectorised lerp(self, end, weight) for a scalar weight.
+HP_INL vf vlerp(vf self, vf end, float weight) {
+  const bool small = std::abs(weight) < 0.5f;
+  return vfma(splat(small ? weight : weight - 1.0f), end - self, small ? self : end);
+}
+
+void muon_momentum(float* buf, const float* grad, bf16* out, int64_t n, double momentum, bool nesterov) {
+  // torch passes the weights as Scalars (double), converted to float.
+  const float to_grad = float(1.0 - momentum), to_buf = float(momentum);
+  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA {
+    const vf g = load(grad + i, m);
+    const vf b = vlerp(load(buf + i, m), g, to_grad);
+    store(buf + i, b, m);
+    if (out) store(out + i, nesterov ? vlerp(g, b, to_buf) : b, m);
+  });
+}
+
+void muon_apply(float* param, const bf16* update, int64_t n, float decay, float alpha) {
+  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA {
+    const vf p = load(param + i, m) * decay;
+    store(param + i, vfma(load(update + i, m), splat(alpha), p), m);
+  });
+}
+
 #undef HP_TYPE
 
 Kernels table(const char* isa) {
@@ -531,5 +571,7 @@ Kernels table(const char* isa) {
                  &router_forward,
                  &router_backward,
                  &aux_loss_accumulate,
-                 &aux_loss_backward};
+                 &aux_loss_backward,
+                 &muon_momentum,
+                 &muon_apply};
 }

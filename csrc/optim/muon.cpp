@@ -8,6 +8,7 @@
 #include <numeric>
 #include <set>
 
+#include "../ops/kernels.h"
 #include "hyperparallel/comm/reduce.h"
 
 namespace hp::optim {
@@ -296,13 +297,28 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   // Momentum on this rank's rows; the rows of the matrices to orthogonalise
   // go into the buffer once per node.
   if (node) node->acquire(*window_);
+  const auto& simd = ops::simd::kernels();
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     at::Tensor buffer = momentum[i];
-    buffer.lerp_(grads[i], 1.0 - o.momentum);
     // A replica whose node already has these rows from another one skips them.
     auto writes = [](const Piece& piece) { return piece.write; };
-    if (std::none_of(pieces_[i].begin(), pieces_[i].end(), writes)) continue;
+    const bool write = std::any_of(pieces_[i].begin(), pieces_[i].end(), writes);
+    if (fused(i, grads[i], buffer)) {
+      // One pass per piece: the momentum, and the update into the node's buffer.
+      if (!write)
+        simd.muon_momentum(buffer.data_ptr<float>(), grads[i].data_ptr<float>(), nullptr, buffer.numel(),
+                           o.momentum, o.nesterov);
+      else
+        for (const Piece& piece : pieces_[i]) {
+          at::Tensor rows = local_rows(buffer, piece), slot = slot_rows(piece);
+          simd.muon_momentum(rows.data_ptr<float>(), local_rows(grads[i], piece).data_ptr<float>(),
+                             slot.data_ptr<c10::BFloat16>(), rows.numel(), o.momentum, o.nesterov);
+        }
+      continue;
+    }
+    buffer.lerp_(grads[i], 1.0 - o.momentum);
+    if (!write) continue;
     at::Tensor update = o.nesterov ? at::lerp(grads[i], buffer, o.momentum) : buffer;
     for (const Piece& piece : pieces_[i])
       if (piece.write) slot_rows(piece).copy_(local_rows(update, piece));
@@ -330,12 +346,28 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     at::Tensor param = params[i];
-    param.mul_(1.0 - o.lr * o.weight_decay);
+    const bool one_pass = fused(i, param, param);
+    if (!one_pass) param.mul_(1.0 - o.lr * o.weight_decay);
     for (const Piece& piece : pieces_[i]) {
       const Pool& pool = pools_[matrices_[piece.matrix].pool];
-      local_rows(param, piece).add_(slot_rows(piece), -adjusted_lr(o, pool.rows, pool.cols));
+      const double alpha = -adjusted_lr(o, pool.rows, pool.cols);
+      at::Tensor rows = local_rows(param, piece), slot = slot_rows(piece);
+      if (one_pass)
+        simd.muon_apply(rows.data_ptr<float>(), slot.data_ptr<c10::BFloat16>(), rows.numel(),
+                        float(1.0 - o.lr * o.weight_decay), float(alpha));
+      else
+        rows.add_(slot, alpha);
     }
   }
+}
+
+bool Muon::fused(std::size_t i, const at::Tensor& a, const at::Tensor& b) const {
+  // The one-pass kernels take contiguous fp32 tensors whose pieces cover them
+  // (always so for hp.fully_shard's shards); anything else takes ATen's ops.
+  int64_t covered = 0;
+  for (const Piece& piece : pieces_[i]) covered += piece.row_count * params_[i].shape.back();
+  auto plain = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); };
+  return plain(a) && plain(b) && covered == a.numel();
 }
 
 std::vector<std::pair<int64_t, int64_t>> Muon::owned() const {

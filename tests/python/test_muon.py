@@ -25,7 +25,7 @@ def _set_grads(step, *param_lists):
     grads = [torch.randn(p.shape, generator=generator) for p in param_lists[0]]
     for params in param_lists:
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            p.grad = g.to(p.dtype, copy=True)
 
 
 def _step_both(steps, theirs, ours, reference, optimizer):
@@ -45,6 +45,21 @@ def test_updates_equal_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     theirs, ours = _params(SHAPES, 0), _params(SHAPES, 0)
     kwargs = {"lr": 2e-3, "weight_decay": weight_decay, "nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn}
     _step_both(range(10), theirs, ours, torch.optim.Muon(theirs, **kwargs), hpo.Muon(ours, **kwargs))
+
+
+def test_bfloat16_parameters_follow_torch_muon():
+    # Not fp32: the momentum and the update take ATen's ops instead of the
+    # one-pass kernels. Within one bfloat16 ulp of the parameters' size.
+    theirs = [nn.Parameter(p.detach().bfloat16()) for p in _params(SHAPES, 5)]
+    ours = [nn.Parameter(p.detach().clone()) for p in theirs]
+    reference, optimizer = torch.optim.Muon(theirs, lr=2e-3), hpo.Muon(ours, lr=2e-3)
+    for step in range(10):
+        _set_grads(step, theirs, ours)
+        reference.step()
+        optimizer.step()
+    for p, q in zip(theirs, ours):
+        assert q.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+        assert_close(q.float(), p.float(), rtol=0, atol=2.0**-8 * p.abs().max().item())
 
 
 def test_an_expert_stack_is_one_matrix_per_expert():

@@ -138,6 +138,9 @@ class Muon {
   // Waits for it and unpacks what arrived into the node-shared buffer.
   void finish(Pending& pending);
   void check_locals(const std::vector<at::Tensor>& tensors, const char* what) const;
+  // Whether parameter i's elementwise passes over a and b can run as one-pass
+  // kernels: contiguous fp32, covered by the parameter's pieces.
+  bool fused(std::size_t i, const at::Tensor& a, const at::Tensor& b) const;
 
   std::vector<ParamSpec> params_;
   comm::Communicator* comm_ = nullptr;
