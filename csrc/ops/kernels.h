@@ -1,8 +1,8 @@
 // Row kernels of the fused modules (the elementwise and reduction work that
-// sits between the GEMMs) and of hp.optim.Muon's elementwise passes. Each is compiled once per instruction set (AVX-512,
-// AVX2, baseline) and the best one the CPU runs is picked at load time, so the
-// extension needs no -march flags. Storage is float32 or bfloat16 (`type`);
-// arithmetic is always float32.
+// sits between the GEMMs) and hp.optim.Muon's elementwise passes. Each is
+// compiled once per instruction set (AVX-512, AVX2, baseline) and the best one
+// the CPU runs is picked at load time, so the extension needs no -march flags.
+// Storage is float32 or bfloat16 (`type`); arithmetic is always float32.
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -1,6 +1,7 @@
 #include "hyperparallel/optim/muon.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +26,9 @@ double adjusted_lr(const StepOptions& options, int64_t rows, int64_t cols) {
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) { return c10::str(c10::IntArrayRef(shape)); }
+
+// What the one-pass elementwise kernels take; anything else takes ATen's ops.
+bool plain_fp32(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); }
 
 }  // namespace
 
@@ -184,6 +188,15 @@ void Muon::plan_pieces() {
     }
     first += experts;
   }
+  // Whether the pieces cover the local tensor (always so for hp.fully_shard's
+  // shards): then the elementwise passes can run piece by piece.
+  whole_.assign(params_.size(), false);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const std::vector<int64_t> local = local_shape(i);
+    int64_t covered = 0;
+    for (const Piece& piece : pieces_[i]) covered += piece.row_count * local.back();
+    whole_[i] = covered == c10::multiply_integers(local);
+  }
 }
 
 void Muon::plan_transfers() {
@@ -271,12 +284,17 @@ at::Tensor Muon::local_rows(const at::Tensor& local, const Piece& piece) {
   return piece.local_expert >= 0 ? local.select(0, piece.local_expert) : local;
 }
 
+std::vector<int64_t> Muon::local_shape(std::size_t i) const {
+  std::vector<int64_t> shape = params_[i].shape;
+  if (params_[i].sharded) shape[0] = comm::chunk(shape[0], int(shards_), int(shard_)).size();
+  return shape;
+}
+
 void Muon::check_locals(const std::vector<at::Tensor>& tensors, const char* what) const {
   TORCH_CHECK(tensors.size() == params_.size(), "hp.optim.Muon: step got ", tensors.size(), " ", what,
               " tensors for a plan of ", params_.size(), " parameters");
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    std::vector<int64_t> expected = params_[i].shape;
-    if (params_[i].sharded) expected[0] = comm::chunk(expected[0], int(shards_), int(shard_)).size();
+    const std::vector<int64_t> expected = local_shape(i);
     TORCH_CHECK(tensors[i].sizes() == c10::IntArrayRef(expected), "hp.optim.Muon: ", what, " ", i,
                 " has local shape ", tensors[i].sizes(), " but the plan expects ", shape_string(expected),
                 " (of global shape ", shape_string(params_[i].shape), "); were the parameters resharded after the ",
@@ -304,7 +322,7 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     // A replica whose node already has these rows from another one skips them.
     auto writes = [](const Piece& piece) { return piece.write; };
     const bool write = std::any_of(pieces_[i].begin(), pieces_[i].end(), writes);
-    if (fused(i, grads[i], buffer)) {
+    if (whole_[i] && plain_fp32(grads[i]) && plain_fp32(buffer)) {
       // One pass per piece: the momentum, and the update into the node's buffer.
       if (!write)
         simd.muon_momentum(buffer.data_ptr<float>(), grads[i].data_ptr<float>(), nullptr, buffer.numel(),
@@ -346,7 +364,7 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     at::Tensor param = params[i];
-    const bool one_pass = fused(i, param, param);
+    const bool one_pass = whole_[i] && plain_fp32(param);
     if (!one_pass) param.mul_(1.0 - o.lr * o.weight_decay);
     for (const Piece& piece : pieces_[i]) {
       const Pool& pool = pools_[matrices_[piece.matrix].pool];
@@ -359,15 +377,6 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
         rows.add_(slot, alpha);
     }
   }
-}
-
-bool Muon::fused(std::size_t i, const at::Tensor& a, const at::Tensor& b) const {
-  // The one-pass kernels take contiguous fp32 tensors whose pieces cover them
-  // (always so for hp.fully_shard's shards); anything else takes ATen's ops.
-  int64_t covered = 0;
-  for (const Piece& piece : pieces_[i]) covered += piece.row_count * params_[i].shape.back();
-  auto plain = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); };
-  return plain(a) && plain(b) && covered == a.numel();
 }
 
 std::vector<std::pair<int64_t, int64_t>> Muon::owned() const {

@@ -138,9 +138,8 @@ class Muon {
   // Waits for it and unpacks what arrived into the node-shared buffer.
   void finish(Pending& pending);
   void check_locals(const std::vector<at::Tensor>& tensors, const char* what) const;
-  // Whether parameter i's elementwise passes over a and b can run as one-pass
-  // kernels: contiguous fp32, covered by the parameter's pieces.
-  bool fused(std::size_t i, const at::Tensor& a, const at::Tensor& b) const;
+  // Parameter i's shape on this rank.
+  std::vector<int64_t> local_shape(std::size_t i) const;
 
   std::vector<ParamSpec> params_;
   comm::Communicator* comm_ = nullptr;
@@ -152,6 +151,7 @@ class Muon {
   std::vector<Matrix> matrices_;
   Assignment assignment_;
   std::vector<std::vector<Piece>> pieces_;  // per parameter
+  std::vector<bool> whole_;                 // per parameter: its pieces cover its local tensor
   std::optional<comm::Window> window_;      // the node-shared buffer
   Transfer gather_;                // rows an owner's node lacks
   std::vector<Transfer> results_;  // per pool: updates that other nodes hold rows of
