@@ -1,16 +1,22 @@
 #include "hyperparallel/optim/newton_schulz.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
+
+#include "gram.h"
 
 namespace hp::optim {
 namespace {
 
 std::atomic<uint64_t> ns_calls{0}, ns_matrices{0};
 
-// Row panels of the symmetric products are at least this tall. Thinner
+// Without the gram kernels (no AVX-512 bfloat16 dot products, or an odd
+// inner size), the symmetric products go by row panels of torch's GEMM, each
+// at least this tall. Thinner
 // panels skip more of the lower triangle, but the GEMM kernel runs less
 // efficiently on thinner operands; on AVX-512 cores with bfloat16 dot
 // products (one thread, best of 3), three panels for 384 rows and four for
@@ -36,12 +42,34 @@ void mirror_upper(at::Tensor& a) {
 }
 
 // out = beta * c + alpha * a aᵀ for a batch, where out (and c, if defined) is
-// symmetric. Each row panel of the upper triangle is one GEMM, written in
-// place, and the triangle is then mirrored. Element (i, j) is the same dot
-// product, over the same k in the same order, as in the full GEMM, so the
-// result is bit for bit the full product's.
+// symmetric. Only the upper triangle is computed, by the gram kernels'
+// column blocks or else one GEMM per row panel, written in place, and then
+// mirrored. Element (i, j) is the same dot product, over the same k in the
+// same order, as in torch's full GEMM, so the result is bit for bit its.
 void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha) {
-  const int64_t count = a.size(0), m = a.size(1);
+  const int64_t count = a.size(0), m = a.size(1), k = a.size(2);
+  if (gram::available() && gram::fits(k)) {
+    // The upper triangle's column blocks, block p paired with block
+    // blocks - 1 - p so that each task has the same work.
+    const int64_t blocks = (m + gram::kBlock - 1) / gram::kBlock;
+    std::vector<uint32_t> packed(gram::packed_words(m, k));
+    for (int64_t i = 0; i < count; ++i) {
+      const auto* y = reinterpret_cast<const uint16_t*>(a[i].const_data_ptr());
+      const auto* addend = c.defined() ? reinterpret_cast<const uint16_t*>(c[i].const_data_ptr()) : nullptr;
+      auto* result = reinterpret_cast<uint16_t*>(out[i].mutable_data_ptr());
+      gram::pack(y, m, k, packed.data());
+      at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+          gram::upper_block(y, packed.data(), m, k, p, addend, float(beta), float(alpha), result);
+          if (blocks - 1 - p != p)
+            gram::upper_block(y, packed.data(), m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
+        }
+      });
+      at::Tensor matrix = out[i];
+      mirror_upper(matrix);
+    }
+    return;
+  }
   const int64_t panels = std::max<int64_t>(1, m / kPanelRows);
   if (panels == 1) {
     if (c.defined())

@@ -1,5 +1,9 @@
 """hp.optim.Muon in one process against torch.optim.Muon (torch 2.13), and its building blocks."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -10,8 +14,8 @@ import hyperparallel.optim as hpo
 from hyperparallel import _C
 
 NS = (3.4445, -4.775, 2.0315)
-# Wide, tall and square; several of one shape (a batch); the smaller side of
-# 256+ makes the symmetric products run in two row panels (384+: three, 512+: four).
+# Wide, tall and square; several of one shape (a batch); sides that are and
+# are not multiples of the symmetric products' 32-column blocks.
 SHAPES = [(24, 40), (40, 24), (32, 32), (32, 32), (7, 12), (1, 5), (260, 300), (300, 260)]
 
 
@@ -113,16 +117,38 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
     assert sorted(optimizer.owned()) == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1)]
 
 
-@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (1, 400, 520), (1, 530, 520)])
+# Each symmetric product's inner size k in every one of oneDNN's summation
+# regimes (k <= 512: one block; 512 < k <= 1024: blocks of 512; more: 1024),
+# partial column blocks and row tiles, and odd k (the row-panel fallback).
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301), (1, 400, 520),
+     (1, 530, 520), (1, 100, 1100)],
+)
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
-    # The symmetric products are computed a row panel at a time: each
-    # element is the same dot product, in the same order, as in torch's GEMM.
     generator = torch.Generator().manual_seed(4)
     batch = torch.randn(shape, generator=generator)
     ours = batch.bfloat16()
     _C.newton_schulz_(ours, _C.NsOptions(a=NS[0], b=NS[1], c=NS[2], steps=5, eps=1e-7))
     for matrix, result in zip(batch, ours):
         assert torch.equal(result, _zeropower_via_newtonschulz(matrix, NS, 5, 1e-7))
+
+
+def test_newton_schulz_without_bfloat16_dot_products_is_torch_bit_for_bit():
+    """HP_SIMD=avx2 (as on a CPU without AVX-512 bfloat16): the symmetric products go by row panels of torch's GEMM."""
+    script = """
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+from hyperparallel import _C
+NS = (3.4445, -4.775, 2.0315)
+for shape in [(2, 300, 260), (1, 400, 520)]:
+    batch = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    ours = batch.bfloat16()
+    _C.newton_schulz_(ours, _C.NsOptions(a=NS[0], b=NS[1], c=NS[2], steps=5, eps=1e-7))
+    for matrix, result in zip(batch, ours):
+        assert torch.equal(result, _zeropower_via_newtonschulz(matrix, NS, 5, 1e-7)), shape
+"""
+    subprocess.run([sys.executable, "-c", script], env=dict(os.environ, HP_SIMD="avx2"), check=True)
 
 
 def test_errors_name_the_fix():

@@ -6,10 +6,11 @@
 //   G = X Xᵀ;  H = b G + c G G;  X = a X + H X.
 // Here one call takes a batch: small matrices share each GEMM call, large
 // ones take turns so that their operands stay in cache. The two products
-// whose results are symmetric (G, and G G) are computed one row panel of the
-// upper triangle at a time and mirrored, which skips part of the lower
-// triangle. The products are the same bfloat16 GEMMs torch calls, on the same
-// operands, and every element is the same dot product in the same order, so
+// whose results are symmetric (G, and G G) are computed only on the upper
+// triangle and mirrored: with AVX-512 bfloat16 dot products by our own kernel
+// (csrc/optim/gram.h), which sums each element as oneDNN's GEMM does, and
+// otherwise one row panel of torch's own GEMM at a time. Either way every
+// element is the same dot product in the same order as in torch's GEMM, so
 // the results are bit for bit torch's (tests/python/test_muon.py checks it).
 #pragma once
 
