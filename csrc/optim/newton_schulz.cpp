@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 
 #include "gram.h"
 
@@ -46,23 +45,26 @@ void mirror_upper(at::Tensor& a) {
 // column blocks or else one GEMM per row panel, written in place, and then
 // mirrored. Element (i, j) is the same dot product, over the same k in the
 // same order, as in torch's full GEMM, so the result is bit for bit its.
-void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha) {
+// `scratch` holds the gram kernels' packed operand (grown as needed).
+void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha,
+                       at::Tensor& scratch) {
   const int64_t count = a.size(0), m = a.size(1), k = a.size(2);
   if (gram::available() && gram::fits(k)) {
     // The upper triangle's column blocks, block p paired with block
     // blocks - 1 - p so that each task has the same work.
     const int64_t blocks = (m + gram::kBlock - 1) / gram::kBlock;
-    std::vector<uint32_t> packed(gram::packed_words(m, k));
+    if (scratch.numel() < gram::packed_words(m, k)) scratch = at::empty({gram::packed_words(m, k)}, at::kInt);
+    auto* packed = reinterpret_cast<uint32_t*>(scratch.mutable_data_ptr());
     for (int64_t i = 0; i < count; ++i) {
       const auto* y = reinterpret_cast<const uint16_t*>(a[i].const_data_ptr());
       const auto* addend = c.defined() ? reinterpret_cast<const uint16_t*>(c[i].const_data_ptr()) : nullptr;
       auto* result = reinterpret_cast<uint16_t*>(out[i].mutable_data_ptr());
-      gram::pack(y, m, k, packed.data());
+      gram::pack(y, m, k, packed);
       at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
-          gram::upper_block(y, packed.data(), m, k, p, addend, float(beta), float(alpha), result);
+          gram::upper_block(y, packed, m, k, p, addend, float(beta), float(alpha), result);
           if (blocks - 1 - p != p)
-            gram::upper_block(y, packed.data(), m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
+            gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
         }
       });
       at::Tensor matrix = out[i];
@@ -114,6 +116,7 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
   auto options_bf16 = batch.options();
   at::Tensor x_buffer = at::empty({group, m, n}, options_bf16), next_buffer = at::empty_like(x_buffer);
   at::Tensor gram_buffer = at::empty({group, m, m}, options_bf16), update_buffer = at::empty_like(gram_buffer);
+  at::Tensor scratch = at::empty({0}, at::kInt);
   for (int64_t first = 0; first < count; first += group) {
     const int64_t size = std::min(group, count - first);
     at::Tensor x = x_buffer.narrow(0, 0, size), next = next_buffer.narrow(0, 0, size);
@@ -127,8 +130,8 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
       at::div_out(normalised, matrix, norm);
     }
     for (int64_t step = 0; step < options.steps; ++step) {
-      symmetric_product(gram, x, at::Tensor(), 0.0, 1.0);
-      symmetric_product(update, gram, gram, options.b, options.c);  // b G + c G Gᵀ, and G Gᵀ = G G
+      symmetric_product(gram, x, at::Tensor(), 0.0, 1.0, scratch);
+      symmetric_product(update, gram, gram, options.b, options.c, scratch);  // b G + c G Gᵀ, and G Gᵀ = G G
       at::baddbmm_out(next, x, update, x, options.a, 1.0);
       std::swap(x, next);
     }
