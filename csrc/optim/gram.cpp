@@ -27,10 +27,30 @@ void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed) {
     uint32_t* block = packed + j0 * pairs;
     const int64_t rows = std::min(kBlock, m - j0);
     if (rows < kBlock) std::memset(block, 0, sizeof(uint32_t) * kBlock * pairs);
-    // A 32 x 32 tile of words at a time, so that reads and writes both stay in cache.
-    for (int64_t q0 = 0; q0 < pairs; q0 += 32)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t q = q0; q < std::min(q0 + 32, pairs); ++q) block[q * kBlock + r] = words[(j0 + r) * pairs + q];
+    // 4 x 4 words at a time by register transposes; the rest one by one.
+    const int64_t rows4 = rows / 4 * 4, pairs4 = pairs / 4 * 4;
+#if defined(__SSE2__)
+    for (int64_t r = 0; r < rows4; r += 4)
+      for (int64_t q = 0; q < pairs4; q += 4) {
+        const uint32_t* src = words + (j0 + r) * pairs + q;
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + pairs));
+        const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * pairs));
+        const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 3 * pairs));
+        const __m128i lo01 = _mm_unpacklo_epi32(r0, r1), hi01 = _mm_unpackhi_epi32(r0, r1);
+        const __m128i lo23 = _mm_unpacklo_epi32(r2, r3), hi23 = _mm_unpackhi_epi32(r2, r3);
+        uint32_t* dst = block + q * kBlock + r;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi64(lo01, lo23));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + kBlock), _mm_unpackhi_epi64(lo01, lo23));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * kBlock), _mm_unpacklo_epi64(hi01, hi23));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 3 * kBlock), _mm_unpackhi_epi64(hi01, hi23));
+      }
+#else
+    for (int64_t r = 0; r < rows4; ++r)
+      for (int64_t q = 0; q < pairs4; ++q) block[q * kBlock + r] = words[(j0 + r) * pairs + q];
+#endif
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t q = r < rows4 ? pairs4 : 0; q < pairs; ++q) block[q * kBlock + r] = words[(j0 + r) * pairs + q];
   }
 }
 

@@ -6,6 +6,10 @@
 #include <algorithm>
 #include <atomic>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "gram.h"
 
 namespace hp::optim {
@@ -27,17 +31,61 @@ constexpr int64_t kPanelRows = 128;
 // ones go one by one so that the operands stay in cache between the GEMMs.
 constexpr int64_t kGroupBytes = int64_t(2) << 20;
 
+// dst = the transpose of the 8 x 8 block at src, row strides ss and ds
+// (bfloat16 bits: a copy needs no arithmetic).
+inline void transpose8(const uint16_t* src, int64_t ss, uint16_t* dst, int64_t ds) {
+#if defined(__SSE2__)
+  __m128i r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss));
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    t[i + 4] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  // t: (rows 01, 23, 45, 67) x (columns 0-3), then x (columns 4-7).
+  for (int h = 0; h < 2; ++h) {
+    const __m128i* u = t + 4 * h;
+    const __m128i lo01 = _mm_unpacklo_epi32(u[0], u[1]), hi01 = _mm_unpackhi_epi32(u[0], u[1]);
+    const __m128i lo23 = _mm_unpacklo_epi32(u[2], u[3]), hi23 = _mm_unpackhi_epi32(u[2], u[3]);
+    uint16_t* out = dst + 4 * h * ds;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi64(lo01, lo23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + ds), _mm_unpackhi_epi64(lo01, lo23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * ds), _mm_unpacklo_epi64(hi01, hi23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * ds), _mm_unpackhi_epi64(hi01, hi23));
+  }
+#else
+  for (int64_t i = 0; i < 8; ++i)
+    for (int64_t j = 0; j < 8; ++j) dst[j * ds + i] = src[i * ss + j];
+#endif
+}
+
+// dst (cols x rows, contiguous) = the transpose of src (rows x cols, contiguous).
+void transpose_copy(const at::Tensor& src, const at::Tensor& dst) {
+  const int64_t rows = src.size(0), cols = src.size(1);
+  const auto* from = reinterpret_cast<const uint16_t*>(src.const_data_ptr());
+  auto* to = reinterpret_cast<uint16_t*>(dst.mutable_data_ptr());
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t i = 0; i < rows8; i += 8)
+    for (int64_t j = 0; j < cols8; j += 8) transpose8(from + i * cols + j, cols, to + j * rows + i, rows);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < rows8 ? cols8 : 0; j < cols; ++j) to[j * rows + i] = from[i * cols + j];
+}
+
 // Copies the upper triangle of the square matrix `a` onto its lower
-// triangle, a cache block at a time (a transposing copy through TensorIterator
-// is an element at a time).
+// triangle, 8 x 8 blocks by register transposes (a transposing copy through
+// TensorIterator is an element at a time).
 void mirror_upper(at::Tensor& a) {
-  constexpr int64_t kBlock = 32;
-  const int64_t m = a.size(0);
-  auto* data = reinterpret_cast<uint16_t*>(a.data_ptr());  // bfloat16 bits: a copy needs no arithmetic
-  for (int64_t ib = 0; ib < m; ib += kBlock)
-    for (int64_t jb = ib; jb < m; jb += kBlock)
-      for (int64_t i = ib; i < std::min(ib + kBlock, m); ++i)
-        for (int64_t j = std::max(jb, i + 1); j < std::min(jb + kBlock, m); ++j) data[j * m + i] = data[i * m + j];
+  const int64_t m = a.size(0), full = m / 8 * 8;
+  auto* data = reinterpret_cast<uint16_t*>(a.data_ptr());
+  for (int64_t ib = 0; ib < full; ib += 8) {
+    for (int64_t jb = ib + 8; jb < full; jb += 8) transpose8(data + ib * m + jb, m, data + jb * m + ib, m);
+    // The diagonal block, and the columns past the last whole block.
+    for (int64_t i = ib; i < ib + 8; ++i) {
+      for (int64_t j = i + 1; j < ib + 8; ++j) data[j * m + i] = data[i * m + j];
+      for (int64_t j = full; j < m; ++j) data[j * m + i] = data[i * m + j];
+    }
+  }
+  for (int64_t i = full; i < m; ++i)
+    for (int64_t j = i + 1; j < m; ++j) data[j * m + i] = data[i * m + j];
 }
 
 // out = beta * c + alpha * a aᵀ for a batch, where out (and c, if defined) is
@@ -124,10 +172,17 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
     for (int64_t i = 0; i < size; ++i) {
       // One norm per matrix, the very reduction torch runs, so that a
       // different summation order cannot move the scale by a bfloat16 ulp.
-      at::Tensor matrix = tall ? batch[first + i].t() : batch[first + i];
-      at::Tensor norm = at::clamp(at::linalg_vector_norm(matrix, 2), options.eps);
-      at::Tensor normalised = x[i];
-      at::div_out(normalised, matrix, norm);
+      // A tall matrix is divided in place (its own result overwrites it)
+      // and then copied transposed: the quotients are the same either way.
+      at::Tensor matrix = batch[first + i];
+      at::Tensor norm = at::clamp(at::linalg_vector_norm(tall ? matrix.t() : matrix, 2), options.eps);
+      if (tall) {
+        matrix.div_(norm);
+        transpose_copy(matrix, x[i]);
+      } else {
+        at::Tensor normalised = x[i];
+        at::div_out(normalised, matrix, norm);
+      }
     }
     for (int64_t step = 0; step < options.steps; ++step) {
       symmetric_product(gram, x, at::Tensor(), 0.0, 1.0, scratch);
@@ -135,7 +190,10 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
       at::baddbmm_out(next, x, update, x, options.a, 1.0);
       std::swap(x, next);
     }
-    batch.narrow(0, first, size).copy_(tall ? x.transpose(1, 2) : x);
+    if (tall)
+      for (int64_t i = 0; i < size; ++i) transpose_copy(x[i], batch[first + i]);
+    else
+      batch.narrow(0, first, size).copy_(x);
   }
   ns_calls.fetch_add(1, std::memory_order_relaxed);
   ns_matrices.fetch_add(count, std::memory_order_relaxed);
