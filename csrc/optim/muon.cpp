@@ -319,24 +319,22 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     at::Tensor buffer = momentum[i];
-    // A replica whose node already has these rows from another one skips them.
-    auto writes = [](const Piece& piece) { return piece.write; };
-    const bool write = std::any_of(pieces_[i].begin(), pieces_[i].end(), writes);
+    // A replica whose node already has a piece's rows from another one
+    // leaves that piece's slot alone.
     if (whole_[i] && plain_fp32(grads[i]) && plain_fp32(buffer)) {
-      // One pass per piece: the momentum, and the update into the node's buffer.
-      if (!write)
-        simd.muon_momentum(buffer.data_ptr<float>(), grads[i].data_ptr<float>(), nullptr, buffer.numel(),
+      // One pass per piece: the momentum, and the update into the node's
+      // buffer where this replica writes the piece.
+      for (const Piece& piece : pieces_[i]) {
+        at::Tensor rows = local_rows(buffer, piece);
+        c10::BFloat16* slot = piece.write ? slot_rows(piece).data_ptr<c10::BFloat16>() : nullptr;
+        simd.muon_momentum(rows.data_ptr<float>(), local_rows(grads[i], piece).data_ptr<float>(), slot, rows.numel(),
                            o.momentum, o.nesterov);
-      else
-        for (const Piece& piece : pieces_[i]) {
-          at::Tensor rows = local_rows(buffer, piece), slot = slot_rows(piece);
-          simd.muon_momentum(rows.data_ptr<float>(), local_rows(grads[i], piece).data_ptr<float>(),
-                             slot.data_ptr<c10::BFloat16>(), rows.numel(), o.momentum, o.nesterov);
-        }
+      }
       continue;
     }
     buffer.lerp_(grads[i], 1.0 - o.momentum);
-    if (!write) continue;
+    auto writes = [](const Piece& piece) { return piece.write; };
+    if (std::none_of(pieces_[i].begin(), pieces_[i].end(), writes)) continue;
     at::Tensor update = o.nesterov ? at::lerp(grads[i], buffer, o.momentum) : buffer;
     for (const Piece& piece : pieces_[i])
       if (piece.write) slot_rows(piece).copy_(local_rows(update, piece));

@@ -19,11 +19,10 @@ std::atomic<uint64_t> ns_calls{0}, ns_matrices{0};
 
 // Without the gram kernels (no AVX-512 bfloat16 dot products, or an odd
 // inner size), the symmetric products go by row panels of torch's GEMM, each
-// at least this tall. Thinner
-// panels skip more of the lower triangle, but the GEMM kernel runs less
-// efficiently on thinner operands; on AVX-512 cores with bfloat16 dot
-// products (one thread, best of 3), three panels for 384 rows and four for
-// 512 were the fastest, and one for 192.
+// at least this tall. Thinner panels skip more of the lower triangle, but the
+// GEMM kernel runs less efficiently on thinner operands; on AVX-512 cores
+// with bfloat16 dot products (one thread, best of 3), three panels for 384
+// rows and four for 512 were the fastest, and one for 192.
 constexpr int64_t kPanelRows = 128;
 
 // Matrices go through all the steps a group at a time, the group's operands
