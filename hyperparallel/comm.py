@@ -60,13 +60,35 @@ def init() -> _C.Communicator:
         )
     per_node = topology.local_world_size
     if topology.num_nodes > 1:
+        backend = _cross_node_backend(per_node)
         for local in range(per_node):  # every rank creates every group, in the same order
-            group = dist.new_group([node * per_node + local for node in range(topology.num_nodes)], backend="gloo")
+            group = dist.new_group([node * per_node + local for node in range(topology.num_nodes)], backend=backend)
             if local == topology.local_rank:
                 _cross_node = group
     store = dist.distributed_c10d._get_default_store()
     _communicator = _C.Communicator(topology, store, _cross_node)
     return _communicator
+
+
+def _cross_node_backend(per_node: int) -> str:
+    """Gloo for CPU tensors; NCCL for CUDA tensors where every rank of a node has a GPU of its
+    own (NCCL refuses two ranks on one GPU: ranks sharing GPUs use Gloo for both).
+    ``HP_CROSS_NODE_BACKEND`` overrides (e.g. ``gloo``)."""
+    chosen = os.environ.get("HP_CROSS_NODE_BACKEND")
+    if chosen:
+        return chosen
+    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= per_node:
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` (modulo the node's GPUs, so that
+    several ranks can share one) where CUDA is available, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local % torch.cuda.device_count())
 
 
 def cross_node_group() -> dist.ProcessGroup | None:
@@ -120,9 +142,12 @@ def shared_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch
     return get().shared_empty(list(shape), dtype)
 
 
-def symmetric_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """This rank's tensor in a window where every rank of the node has one; collective."""
-    return get().symmetric_empty(list(shape), dtype)
+def symmetric_empty(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """This rank's tensor in a window where every rank of the node has one; collective. On a
+    GPU (``device="cuda"``) it is this rank's device memory, which every rank of the node maps."""
+    return get().symmetric_empty(list(shape), dtype, torch.device(device or "cpu"))
 
 
 def local_rows(full: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 #include "hyperparallel/comm/communicator.h"
+#include "hyperparallel/comm/c10d.h"
 
 #include <c10/util/Exception.h>
 
@@ -11,8 +12,17 @@ std::shared_ptr<fabric::Fabric> make_fabric(const fabric::Topology& topology, c1
 }
 
 void check_dense(const at::Tensor& tensor, const char* what) {
-  TORCH_CHECK(tensor.device().is_cpu(), "hyperparallel ", what, ": expected a CPU tensor, got one on ", tensor.device());
   TORCH_CHECK(tensor.is_contiguous(), "hyperparallel ", what, ": expected a contiguous tensor; call .contiguous() first");
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.device() == b.device(), "hyperparallel ", what, ": out is on ", a.device(), " but in is on ",
+              b.device());
+}
+
+std::map<c10::DeviceType, DeviceCollectivesFactory>& device_factories() {
+  static std::map<c10::DeviceType, DeviceCollectivesFactory> factories;
+  return factories;
 }
 
 // (rows, elements per row) of a tensor split on dim 0; a scalar is one row.
@@ -24,6 +34,16 @@ std::pair<int64_t, int64_t> rows_of(const at::Tensor& tensor) {
 Range scaled(Range rows, int64_t row_elems) { return Range{rows.begin * row_elems, rows.end * row_elems}; }
 
 }  // namespace
+
+void register_device_collectives(c10::DeviceType type, DeviceCollectivesFactory factory) {
+  device_factories()[type] = factory;
+}
+
+std::vector<std::string> device_backends() {
+  std::vector<std::string> names;
+  for (const auto& [type, factory] : device_factories()) names.push_back(c10::DeviceTypeName(type, /*lower_case=*/true));
+  return names;
+}
 
 DType dtype_of(at::ScalarType type) {
   if (type == at::kFloat) return DType::F32;
@@ -56,6 +76,37 @@ Communicator::Communicator(fabric::Topology topology, c10::intrusive_ptr<c10d::S
                 "hyperparallel: the cross-node group must hold this rank's counterparts on every node, ordered by node");
 }
 
+DeviceCollectives& Communicator::device(const at::Tensor& tensor) {
+  const c10::Device device = tensor.device();
+  auto& slot = devices_[device.str()];
+  if (!slot) {
+    auto it = device_factories().find(device.type());
+    TORCH_CHECK(it != device_factories().end(), "hyperparallel collectives: a tensor on ", device,
+                ", but this build of hyperparallel has no ", c10::DeviceTypeName(device.type()),
+                " backend; rebuild it against a torch with ", c10::DeviceTypeName(device.type()),
+                " (and nvcc on PATH for CUDA), or pass CPU tensors");
+    TORCH_CHECK(devices_.size() == 1, "hyperparallel collectives: this rank already used another device (",
+                devices_.begin()->first, "); one rank drives one device");
+    slot = it->second(*this, device);
+  }
+  return *slot;
+}
+
+Stats Communicator::stats() const {
+  Stats total = node_.stats();
+  for (const auto& [name, device] : devices_) {
+    Stats more = device->stats();
+    total.bytes_copied += more.bytes_copied;
+    total.bytes_reduced += more.bytes_reduced;
+  }
+  return total;
+}
+
+void Communicator::reset_stats() {
+  node_.reset_stats();
+  for (auto& [name, device] : devices_) device->reset_stats();
+}
+
 void Communicator::barrier() {
   node_.barrier();
   if (cross_node_) {
@@ -68,6 +119,8 @@ void Communicator::broadcast(at::Tensor& tensor, int64_t src) {
   check_dense(tensor, "broadcast");
   TORCH_CHECK(src >= 0 && src < topology_.world_size, "hyperparallel broadcast: src=", src, " is not a rank of this ",
               topology_.world_size, "-rank job");
+  dtype_of(tensor.scalar_type());
+  if (!tensor.device().is_cpu()) return device(tensor).broadcast(tensor, src);
   const int src_node = int(src / topology_.local_world_size), src_local = int(src % topology_.local_world_size);
   if (cross_node_ && topology_.local_rank == src_local) {
     std::vector<at::Tensor> tensors{tensor};
@@ -81,6 +134,7 @@ void Communicator::broadcast(at::Tensor& tensor, int64_t src) {
 void Communicator::all_reduce(at::Tensor& tensor, ReduceOp op) {
   check_dense(tensor, "all_reduce");
   const DType dtype = dtype_of(tensor.scalar_type());
+  if (!tensor.device().is_cpu()) return device(tensor).all_reduce(tensor, op);
   const int64_t n = tensor.numel();
   if (!cross_node_) {
     node_.all_reduce(tensor.data_ptr(), n, dtype, op);
@@ -118,6 +172,8 @@ void Communicator::all_gather(at::Tensor& out, const at::Tensor& in) {
               " owns rows [", mine.begin, ", ", mine.end, ") of out's ", rows, " (torch.chunk over ",
               topology_.world_size, " ranks), so in needs ", mine.size() * row_elems, " elements, not ", in.numel());
   const DType dtype = dtype_of(out.scalar_type());
+  check_same_device(out, in, "all_gather");
+  if (!out.device().is_cpu()) return device(out).all_gather(out, in);
   if (!cross_node_) {
     node_.all_gather(in.data_ptr(), out.data_ptr(), rows, row_elems, dtype);
     return;
@@ -142,6 +198,8 @@ void Communicator::reduce_scatter(at::Tensor& out, const at::Tensor& in, ReduceO
               " owns rows [", mine.begin, ", ", mine.end, ") of in's ", rows, " (torch.chunk over ",
               topology_.world_size, " ranks), so out needs ", mine.size() * row_elems, " elements, not ", out.numel());
   const DType dtype = dtype_of(in.scalar_type());
+  check_same_device(out, in, "reduce_scatter");
+  if (!in.device().is_cpu()) return device(in).reduce_scatter(out, in, op);
   if (!cross_node_) {
     node_.reduce_scatter(in.data_ptr(), out.data_ptr(), rows, row_elems, dtype, op);
     return;
@@ -176,7 +234,7 @@ void Communicator::reduce_published(Window& inputs, int64_t rows, int64_t row_el
   node_.release(inputs);
   at::Tensor received = at::empty({per}, at::kFloat);
   at::Tensor flat = partial.view({-1});
-  cross_node_->reduce_scatter_single(received, flat)->wait();
+  c10d_compat::reduce_scatter_single(*cross_node_, received, flat)->wait();
   out.view({-1}).copy_(received.narrow(0, 0, out.numel()));
 }
 
@@ -189,7 +247,7 @@ void Communicator::gather_published(Window& window, at::Tensor& full) {
     at::Tensor send = at::zeros({per, row_elems}, full.options());
     send.narrow(0, 0, mine.size()).copy_(full.view({rows, row_elems}).narrow(0, mine.begin, mine.size()));
     at::Tensor received = at::empty({nodes * per, row_elems}, full.options());
-    cross_node_->all_gather_single(received, send)->wait();
+    c10d_compat::all_gather_single(*cross_node_, received, send)->wait();
     for (int m = 0; m < nodes; ++m) {
       if (m == topology_.node) continue;
       Range theirs = chunk(rows, topology_.world_size, m * topology_.local_world_size + topology_.local_rank);
@@ -216,13 +274,16 @@ at::Tensor Communicator::window_tensor(Window& window, void* data, at::IntArrayR
 }
 
 at::Tensor Communicator::shared_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  // Shared and symmetric tensors are node-shared CPU memory; on a GPU every
+  // rank computes on its own copy (see fabric/device.h).
   dtype_of(dtype);
   Window window = node_.shared(c10::multiply_integers(sizes) * c10::elementSize(dtype));
   return window_tensor(window, window.data(), sizes, dtype);
 }
 
-at::Tensor Communicator::symmetric_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+at::Tensor Communicator::symmetric_empty(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device on) {
   dtype_of(dtype);
+  if (!on.is_cpu()) return device(at::empty({0}, at::TensorOptions().dtype(dtype).device(on))).symmetric_empty(sizes, dtype);
   Window window = node_.symmetric(c10::multiply_integers(sizes) * c10::elementSize(dtype));
   return window_tensor(window, window.slot(node_.rank()), sizes, dtype);
 }
@@ -240,7 +301,10 @@ Window& Communicator::window_of(const at::Tensor& tensor, const char* what) {
   return it->second;
 }
 
-void Communicator::acquire(const at::Tensor& tensor) { node_.acquire(window_of(tensor, "acquire")); }
+void Communicator::acquire(const at::Tensor& tensor) {
+  if (!tensor.device().is_cpu() && device(tensor).acquire(tensor)) return;
+  node_.acquire(window_of(tensor, "acquire"));
+}
 
 void Communicator::all_gather_shared(const at::Tensor& full) {
   Window& window = window_of(full, "all_gather_shared");
@@ -251,6 +315,10 @@ void Communicator::all_gather_shared(const at::Tensor& full) {
 }
 
 void Communicator::reduce_scatter_symmetric(at::Tensor& out, const at::Tensor& in, ReduceOp op) {
+  if (!in.device().is_cpu()) {
+    check_same_device(out, in, "reduce_scatter_symmetric");
+    return device(in).reduce_scatter_symmetric(out, in, op);
+  }
   Window& window = window_of(in, "reduce_scatter_symmetric");
   TORCH_CHECK(window.slots() == node_.size() && in.data_ptr() == window.slot(node_.rank()),
               "hyperparallel reduce_scatter_symmetric: expected this rank's tensor from symmetric_empty()");

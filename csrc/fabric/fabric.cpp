@@ -26,7 +26,8 @@ constexpr uint64_t kMagic = 0x68702d6661627231ull;  // "hp-fabr1"
 constexpr std::size_t kLine = 64;
 constexpr int kBarrierChannel = 0;  // also carries the start-up handshake (value 1)
 constexpr int kAllocChannel = 1;
-constexpr int kReservedChannels = 2;
+constexpr int kExchangeChannel = 2;
+constexpr int kReservedChannels = 3;
 // How long a waiter sleeps between looks at its peers' health.
 constexpr std::chrono::milliseconds kWatchInterval{100};
 // Spins before the first futex wait: short, since ranks may share cores.
@@ -49,6 +50,7 @@ struct alignas(kLine) RankSlot {
   std::atomic<int64_t> heartbeat_ns;
   int32_t pid;
   int32_t global_rank;
+  std::atomic<int32_t> left;  // the rank shut its fabric down: gone, not dead
 };
 
 std::atomic<int> fabric_instances{0};
@@ -82,6 +84,10 @@ struct Fabric::Control {
   alignas(kLine) char alloc_name[256];  // the segment being handed out by local rank 0
   uint64_t alloc_bytes;
   RankSlot slots[kMaxLocalRanks];
+  struct Blob {
+    uint32_t bytes;
+    char data[kExchangeBytes];
+  } exchange[kMaxLocalRanks];
 
   static std::size_t bytes(int local_world, int channels) {
     return sizeof(Control) + std::size_t(channels) * local_world * kLine;
@@ -131,6 +137,7 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
   slot.heartbeat_ns.store(sys::monotonic_ns());
   barrier_channel_ = Channel(this, kBarrierChannel);
   alloc_channel_ = Channel(this, kAllocChannel);
+  exchange_channel_ = Channel(this, kExchangeChannel);
   next_channel_ = kReservedChannels;
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 
@@ -141,6 +148,7 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
 }
 
 Fabric::~Fabric() {
+  control()->slots[topology_.local_rank].left.store(1);
   {
     std::lock_guard<std::mutex> lock(heartbeat_mutex_);
     stop_heartbeat_ = true;
@@ -152,10 +160,48 @@ Fabric::~Fabric() {
 void Fabric::heartbeat_loop() {
   RankSlot& slot = control()->slots[topology_.local_rank];
   std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+  int64_t dead_since = 0;  // when the watchdog first saw a dead peer nobody reported
   while (!stop_heartbeat_) {
     slot.heartbeat_ns.store(sys::monotonic_ns(), std::memory_order_relaxed);
+    if (watchdog_.load(std::memory_order_relaxed)) watch(dead_since);
     heartbeat_wake_.wait_for(lock, std::chrono::milliseconds(200));
   }
+}
+
+void Fabric::arm_watchdog() { watchdog_.store(true); }
+
+void Fabric::watch(int64_t& dead_since) {
+  Control* c = control();
+  if (c->abort_state.load() != 0) return;  // a wait saw it and raised: the program decides
+  int dead = -1;
+  for (int p = 0; p < local_world(); ++p) {
+    const RankSlot& peer = c->slots[p];
+    if (p != local_rank() && peer.pid != 0 && peer.left.load() == 0 && !sys::process_alive(peer.pid)) {
+      dead = p;
+      break;
+    }
+  }
+  if (dead < 0) {
+    dead_since = 0;
+    return;
+  }
+  const int64_t now = sys::monotonic_ns();
+  if (dead_since == 0) dead_since = now;
+  if (now - dead_since < int64_t(options_.heartbeat_timeout.count()) * 1000000) return;
+  const RankSlot& peer = c->slots[dead];
+  std::string message = "hyperparallel.FabricError: rank " + std::to_string(peer.global_rank) + " (local rank " +
+                        std::to_string(dead) + ", pid " + std::to_string(peer.pid) + ") died while rank " +
+                        std::to_string(topology_.rank) + " was blocked outside the fabric (on the GPU, waiting for "
+                        "work of that rank that will never finish); ending this rank. See that rank's log for the cause.\n";
+  uint32_t expected = 0;
+  if (c->abort_state.compare_exchange_strong(expected, 1)) {
+    std::strncpy(c->abort_reason, message.c_str(), sizeof(c->abort_reason) - 1);
+    c->abort_state.store(2);
+  }
+  c->generation.fetch_add(1);
+  sys::futex_wake_all(&c->generation);
+  (void)!write(2, message.data(), message.size());
+  _exit(1);
 }
 
 int Fabric::global_rank_of(int local) const {
@@ -219,6 +265,10 @@ void Fabric::check_peers(int channel, int first, int last, uint64_t value, const
     }
     std::ostringstream who;
     who << "rank " << slot.global_rank << " (local rank " << p << ", pid " << slot.pid << ")";
+    if (slot.left.load() != 0)
+      abort("hyperparallel: " + who.str() + " shut its fabric down (it finished, or called hp.comm.shutdown()) while "
+            "rank " + std::to_string(topology_.rank) + " waited for it in " + what +
+            "; every rank must make the same collective calls before shutting down");
     if (!sys::process_alive(slot.pid))
       abort("hyperparallel: " + who.str() + " died while rank " + std::to_string(topology_.rank) + " waited for it in " +
             what + "; see that rank's log for the cause");
@@ -271,6 +321,29 @@ void Fabric::barrier() {
   ++barrier_epoch_;
   barrier_channel_.post(barrier_epoch_);
   barrier_channel_.wait_all(barrier_epoch_, "barrier");
+}
+
+std::vector<std::string> Fabric::exchange(const std::string& mine) {
+  if (mine.size() > kExchangeBytes)
+    throw std::logic_error("hyperparallel: exchange of " + std::to_string(mine.size()) + " bytes; at most " +
+                           std::to_string(kExchangeBytes) + " fit");
+  // Epoch e: written at 2e+1, read by everyone at 2e+2; the next write waits
+  // for that, so a slow reader never sees the next round's bytes.
+  const uint64_t written = 2 * exchange_epoch_ + 1, read = 2 * exchange_epoch_ + 2;
+  ++exchange_epoch_;
+  Control::Blob& blob = control()->exchange[local_rank()];
+  blob.bytes = static_cast<uint32_t>(mine.size());
+  std::memcpy(blob.data, mine.data(), mine.size());
+  exchange_channel_.post(written);
+  exchange_channel_.wait_all(written, "exchange");
+  std::vector<std::string> all;
+  for (int r = 0; r < local_world(); ++r) {
+    const Control::Blob& theirs = control()->exchange[r];
+    all.emplace_back(theirs.data, theirs.bytes);
+  }
+  exchange_channel_.post(read);
+  exchange_channel_.wait_all(read, "exchange");
+  return all;
 }
 
 std::shared_ptr<Segment> Fabric::allocate(std::size_t bytes) {

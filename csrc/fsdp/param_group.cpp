@@ -2,188 +2,51 @@
 
 #include <c10/util/Exception.h>
 
+#include <mutex>
+
+#include "group_cpu.h"
+
 namespace hp::fsdp {
 namespace {
 
-constexpr int64_t kAlignElems = 32;  // 64-byte aligned starts for fp32 and bf16
+std::map<c10::DeviceType, GroupFactory>& factories() {
+  static std::map<c10::DeviceType, GroupFactory> registered;
+  return registered;
+}
 
-int64_t align_up(int64_t elems) { return (elems + kAlignElems - 1) / kAlignElems * kAlignElems; }
-
-// A tensor over window memory; it keeps the mapping alive.
-at::Tensor over(const comm::Window& window, void* data, int64_t elems, at::ScalarType dtype) {
-  auto segment = window.segment();
-  return at::from_blob(data, {elems}, [segment](void*) {}, at::TensorOptions().dtype(dtype));
+std::mutex& factories_mutex() {
+  static std::mutex mutex;
+  return mutex;
 }
 
 }  // namespace
 
-GradWindows::GradWindows(std::shared_ptr<comm::Communicator> communicator, int count)
-    : communicator_(std::move(communicator)), windows_(count) {}
+Context::Context(std::shared_ptr<comm::Communicator> communicator)
+    : communicator_(std::move(communicator)), reducer_(std::make_shared<Reducer>()) {}
 
-void GradWindows::reserve(std::size_t bytes) {
-  if (bytes <= bytes_) return;
-  bytes_ = bytes;
-  // Collective: every rank reserves at the same fully_shard call.
-  for (auto& window : windows_) {
-    if (window.segment()) communicator_->node().acquire(window);
-    window = communicator_->node().symmetric(bytes);
-  }
+void register_group_factory(c10::DeviceType type, GroupFactory factory) {
+  std::lock_guard<std::mutex> lock(factories_mutex());
+  factories()[type] = factory;
 }
 
-comm::Window& GradWindows::next() {
-  TORCH_CHECK(bytes_ > 0, "hyperparallel fsdp: no gradient window reserved");
-  comm::Window& window = windows_[next_];
-  next_ = (next_ + 1) % windows_.size();
-  return window;
-}
-
-ParamGroup::ParamGroup(std::shared_ptr<comm::Communicator> communicator, std::shared_ptr<Reducer> reducer,
-                       std::shared_ptr<GradWindows> grad_windows, const std::vector<at::Tensor>& params,
-                       GroupOptions options)
-    : communicator_(std::move(communicator)),
-      reducer_(std::move(reducer)),
-      grad_windows_(std::move(grad_windows)),
-      options_(std::move(options)) {
+std::shared_ptr<ParamGroup> ParamGroup::create(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
+                                               GroupOptions options) {
   TORCH_CHECK(!params.empty(), "hyperparallel fully_shard: the module has no parameters to shard");
-  dtype_ = params[0].scalar_type();
-  comm::NodeComm& node = communicator_->node();
-  const int shards = node.size(), rank = node.rank();
-  for (const auto& param : params) {
-    TORCH_CHECK(param.scalar_type() == dtype_, "hyperparallel fully_shard: one group's parameters must share a dtype, ",
-                "found ", dtype_, " and ", param.scalar_type(), "; call fully_shard on a submodule to split them");
-    TORCH_CHECK(param.dim() >= 1, "hyperparallel fully_shard: 0-dim parameters cannot be sharded on dim 0; ",
-                "make it a 1-element tensor or pass it in ignored_params");
-    TORCH_CHECK(param.device().is_cpu(), "hyperparallel fully_shard: parameters must be on the CPU, found one on ",
-                param.device(), "; all of a module's parameters must be on one device");
-    comm::dtype_of(param.scalar_type());  // raises for unsupported dtypes
-    offsets_.push_back(total_elems_);
-    total_elems_ += align_up(param.numel());
-    const int64_t rows = param.size(0);
-    row_elems_.push_back(rows == 0 ? 0 : param.numel() / rows);
-    shard_rows_.push_back(comm::chunk(rows, shards, rank));
-    shard_offsets_.push_back(shard_elems_);
-    shard_elems_ += int64_t(shard_rows_.back().size()) * row_elems_.back();
+  const c10::Device device = params[0].device();
+  for (const auto& param : params)
+    TORCH_CHECK(param.device() == device, "hyperparallel fully_shard: parameters on ", device, " and ", param.device(),
+                "; all of a module's parameters must be on one device");
+  if (device.is_cpu()) return make_cpu_group(std::move(context), params, std::move(options));
+  GroupFactory factory = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(factories_mutex());
+    auto it = factories().find(device.type());
+    if (it != factories().end()) factory = it->second;
   }
-  params_ = node.shared(total_elems_ * c10::elementSize(dtype_));
-  at::Tensor storage = over(params_, params_.data(), total_elems_, dtype_);
-  if (options_.param_dtype && *options_.param_dtype != dtype_) {
-    compute_ = node.shared(total_elems_ * c10::elementSize(*options_.param_dtype));
-  }
-  at::Tensor compute_storage = compute_ ? over(*compute_, compute_->data(), total_elems_, *options_.param_dtype)
-                                        : storage;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto& param = params[i];
-    const comm::Range rows = shard_rows_[i];
-    param_views_.push_back(storage.narrow(0, offsets_[i], param.numel()).view(param.sizes()));
-    compute_views_.push_back(compute_storage.narrow(0, offsets_[i], param.numel()).view(param.sizes()));
-    shard_views_.push_back(param_views_[i].narrow(0, rows.begin, rows.size()));
-    compute_shard_views_.push_back(compute_views_[i].narrow(0, rows.begin, rows.size()));
-    // Each rank contributes the rows it owns, as FSDP2 keeps each rank's chunk.
-    shard_views_[i].copy_(param.detach().narrow(0, rows.begin, rows.size()));
-  }
-  const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
-  comm::dtype_of(grad_dtype);
-  grad_windows_->reserve(total_elems_ * c10::elementSize(grad_dtype));
-  begin_unshard();
-  wait_unshard();
-}
-
-int ParamGroup::shard_rank() const { return communicator_->node().rank(); }
-int ParamGroup::shard_size() const { return communicator_->node().size(); }
-
-void ParamGroup::begin_unshard() {
-  if (unshard_posted_) return;
-  if (compute_) {
-    for (std::size_t i = 0; i < shard_views_.size(); ++i) compute_shard_views_[i].copy_(shard_views_[i]);
-  }
-  communicator_->node().post(compute_ ? *compute_ : params_);
-  unshard_posted_ = true;
-}
-
-void ParamGroup::wait_unshard() {
-  if (!unshard_posted_) begin_unshard();
-  communicator_->node().wait(compute_ ? *compute_ : params_);
-  unshard_posted_ = false;
-}
-
-void ParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) {
-  TORCH_CHECK(grads.size() == shard_views_.size(), "hyperparallel fsdp: got ", grads.size(), " gradients for ",
-              shard_views_.size(), " parameters");
-  has_grad_.clear();
-  for (const auto& grad : grads) has_grad_.push_back(grad.has_value());
-  at::Tensor output;
-  if (fresh_output || !sharded_grad_buffer_.defined()) {
-    output = at::empty({shard_elems_}, at::TensorOptions().dtype(dtype_));
-    if (!fresh_output) sharded_grad_buffer_ = output;
-  } else {
-    output = sharded_grad_buffer_;
-  }
-  last_output_ = output;
-  ticket_ = reducer_->submit([this, grads = std::move(grads), output] { run_reduce(grads, output); });
-}
-
-void ParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output) {
-  comm::NodeComm& node = communicator_->node();
-  comm::Window& read = compute_ ? *compute_ : params_;
-  comm::Window& window = grad_windows_->next();
-  const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
-  node.acquire(window);  // peers are done with the last group that used it
-  at::Tensor mine = over(window, window.slot(node.rank()), total_elems_, grad_dtype);
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    at::Tensor slot = mine.narrow(0, offsets_[i], param_views_[i].numel());
-    if (grads[i]) {
-      slot.copy_(grads[i]->reshape({-1}));
-    } else {
-      slot.zero_();  // a parameter unused here may be used on a peer
-    }
-  }
-  // This rank's backward no longer reads the parameters. Peers publish their
-  // gradients after their own release, so once the gradients are published
-  // every rank is done reading, and the optimizer may write the shards.
-  node.release(read);
-  node.publish(window);
-  node.acquire(read);
-  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
-  const float scale = 1.0f / float(node.size() * replicas);
-  const std::size_t out_size = c10::elementSize(dtype_);
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    const comm::Range rows = shard_rows_[i];
-    const comm::Range elems{std::size_t(offsets_[i] + rows.begin * row_elems_[i]),
-                            std::size_t(offsets_[i] + rows.end * row_elems_[i])};
-    void* out = static_cast<char*>(output.data_ptr()) + shard_offsets_[i] * out_size;
-    node.reduce_rows(window, elems, comm::dtype_of(grad_dtype), scale, out, comm::dtype_of(dtype_));
-  }
-  node.release(window);
-  if (options_.replicate) {
-    std::vector<at::Tensor> tensors{output};
-    options_.replicate->allreduce(tensors)->wait();
-  }
-}
-
-std::vector<std::optional<at::Tensor>> ParamGroup::sharded_grads() {
-  reducer_->wait(ticket_);
-  std::vector<std::optional<at::Tensor>> grads;
-  for (std::size_t i = 0; i < shard_views_.size(); ++i) {
-    if (!has_grad_.empty() && has_grad_[i]) {
-      grads.push_back(last_output_.narrow(0, shard_offsets_[i], shard_views_[i].numel()).view(shard_views_[i].sizes()));
-    } else {
-      grads.push_back(std::nullopt);
-    }
-  }
-  return grads;
-}
-
-void ParamGroup::release() {
-  reducer_->wait(ticket_);
-  communicator_->node().acquire(compute_ ? *compute_ : params_);
-}
-
-ParamGroup::~ParamGroup() {
-  try {
-    reducer_->wait(ticket_);
-  } catch (...) {
-    // The error was raised where the reduction was awaited; nothing to add.
-  }
+  TORCH_CHECK(factory, "hyperparallel fully_shard: parameters on ", device, ", but this build of hyperparallel has no ",
+              c10::DeviceTypeName(device.type()), " backend; rebuild it against a torch with ",
+              c10::DeviceTypeName(device.type()), " (and nvcc on PATH for CUDA), or move the module to the CPU");
+  return factory(std::move(context), params, std::move(options));
 }
 
 }  // namespace hp::fsdp

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "../ops/kernels.h"
+#include "hyperparallel/comm/c10d.h"
 #include "hyperparallel/comm/reduce.h"
 
 namespace hp::optim {
@@ -260,7 +261,7 @@ Muon::Pending Muon::start(const Transfer& transfer) {
       std::memcpy(out, base + offset, bytes);
       out += bytes;
     }
-  pending.work = counterparts_->all_to_all_single(pending.recv, pending.send, recv_sizes, send_sizes);
+  pending.work = comm::c10d_compat::all_to_all_single(*counterparts_, pending.recv, pending.send, recv_sizes, send_sizes);
   return pending;
 }
 

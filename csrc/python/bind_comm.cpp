@@ -35,6 +35,7 @@ void bind_comm(py::module_& m) {
   py::enum_<comm::ReduceOp>(m, "ReduceOp").value("SUM", comm::ReduceOp::Sum).value("AVG", comm::ReduceOp::Avg);
 
   m.def("sweep_stale_segments", &fabric::sweep_stale_segments);
+  m.def("device_backends", &comm::device_backends);
 
   using comm::Communicator;
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
@@ -48,7 +49,8 @@ void bind_comm(py::module_& m) {
       .def("all_gather", &Communicator::all_gather, py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &Communicator::reduce_scatter, py::call_guard<py::gil_scoped_release>())
       .def("shared_empty", &Communicator::shared_empty, py::call_guard<py::gil_scoped_release>())
-      .def("symmetric_empty", &Communicator::symmetric_empty, py::call_guard<py::gil_scoped_release>())
+      .def("symmetric_empty", &Communicator::symmetric_empty, py::arg("sizes"), py::arg("dtype"),
+           py::arg("device") = c10::Device(c10::kCPU), py::call_guard<py::gil_scoped_release>())
       .def("acquire", &Communicator::acquire, py::call_guard<py::gil_scoped_release>())
       .def("all_gather_shared", &Communicator::all_gather_shared, py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter_symmetric", &Communicator::reduce_scatter_symmetric,

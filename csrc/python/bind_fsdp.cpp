@@ -12,28 +12,23 @@ namespace {
 
 void bind_fsdp(py::module_& m) {
   using fsdp::ParamGroup;
-  py::class_<fsdp::Reducer, std::shared_ptr<fsdp::Reducer>>(m, "Reducer")
-      .def(py::init<>())
-      .def("drain", &fsdp::Reducer::drain, py::call_guard<py::gil_scoped_release>());
-  py::class_<fsdp::GradWindows, std::shared_ptr<fsdp::GradWindows>>(m, "GradWindows")
-      .def(py::init<std::shared_ptr<comm::Communicator>, int>(), py::arg("communicator"), py::arg("count"));
+  py::class_<fsdp::Context, std::shared_ptr<fsdp::Context>>(m, "FSDPContext")
+      .def(py::init<std::shared_ptr<comm::Communicator>>(), py::arg("communicator"));
   py::class_<ParamGroup, std::shared_ptr<ParamGroup>>(m, "ParamGroup")
-      .def(py::init([](std::shared_ptr<comm::Communicator> communicator, std::shared_ptr<fsdp::Reducer> reducer,
-                       std::shared_ptr<fsdp::GradWindows> windows, const std::vector<at::Tensor>& params,
+      .def(py::init([](std::shared_ptr<fsdp::Context> context, const std::vector<at::Tensor>& params,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
                        c10::intrusive_ptr<c10d::ProcessGroup> replicate) {
              py::gil_scoped_release no_gil;
-             return std::make_shared<ParamGroup>(communicator, reducer, windows, params,
-                                                 fsdp::GroupOptions{param_dtype, reduce_dtype, replicate});
+             return ParamGroup::create(context, params, fsdp::GroupOptions{param_dtype, reduce_dtype, replicate});
            }),
-           py::arg("communicator"), py::arg("reducer"), py::arg("grad_windows"), py::arg("params"),
-           py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
-           py::arg("replicate") = nullptr)
+           py::arg("context"), py::arg("params"), py::arg("param_dtype") = py::none(),
+           py::arg("reduce_dtype") = py::none(), py::arg("replicate") = nullptr)
       .def_property_readonly("full", &ParamGroup::full)
       .def_property_readonly("shards", &ParamGroup::shards)
-      .def_property_readonly("unshard_posted", &ParamGroup::unshard_posted)
+      .def("publish", &ParamGroup::publish, py::call_guard<py::gil_scoped_release>())
       .def("begin_unshard", &ParamGroup::begin_unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &ParamGroup::wait_unshard, py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &ParamGroup::reshard, py::call_guard<py::gil_scoped_release>())
       .def("reduce", &ParamGroup::reduce, py::arg("grads"), py::arg("fresh_output"),
            py::call_guard<py::gil_scoped_release>())
       .def("sharded_grads", &ParamGroup::sharded_grads, py::call_guard<py::gil_scoped_release>())

@@ -14,15 +14,23 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hyperparallel import _C
 from hyperparallel import comm as hp_comm
-from hyperparallel.fsdp._state import GroupState, RootState
+from hyperparallel.fsdp._state import GroupState, RootContext
 
 # torch's defaults, as module-level singletons (one object shared by all calls).
 _DEFAULT_MP_POLICY = MixedPrecisionPolicy()
 _DEFAULT_OFFLOAD_POLICY = OffloadPolicy()
 
-# One reducer thread and one ring of gradient windows per process, shared by all groups.
-_reducer: _C.Reducer | None = None
-_grad_windows: _C.GradWindows | None = None
+
+def _context() -> _C.FSDPContext:
+    """What every group of this process shares (the reducer thread, gradient windows, a
+    device's streams): made with the first group, after hp.comm.init()."""
+    global _shared_context
+    if _shared_context is None:
+        _shared_context = _C.FSDPContext(hp_comm.get())
+    return _shared_context
+
+
+_shared_context: _C.FSDPContext | None = None
 
 
 class FSDPModule:
@@ -31,8 +39,9 @@ class FSDPModule:
     _hp_state: GroupState
 
     def unshard(self, async_op: bool = False):
-        """Make the full parameters this module's parameters (a wait: nothing is copied)."""
-        self._hp_state.cgroup.begin_unshard()
+        """Make the full parameters this module's parameters (on the CPU a wait: nothing is
+        copied; on a GPU a pull of the peers' rows on the all-gather stream)."""
+        self._hp_state.prefetch()
         if async_op:
             return _UnshardHandle(self._hp_state)
         self._hp_state.unshard()
@@ -57,13 +66,15 @@ class FSDPModule:
             state.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Accepted for compatibility. Every group's rows are posted when the root's forward
-        starts, so each unshard is already a wait on data that is there: nothing to prefetch."""
+        """Accepted for compatibility. On the CPU every group's rows are posted when the root's
+        forward starts, so each unshard is a wait on data that is there; on a GPU each group
+        pulls the next one's parameters (in the order the first forward ran them) while it
+        computes."""
         _check_fsdp_modules(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Accepted for compatibility: the full parameters stay in shared memory through
-        backward, so backward never all-gathers."""
+        """Accepted for compatibility. On the CPU the full parameters stay in shared memory
+        through backward; on a GPU each group's backward pulls the previous group's."""
         _check_fsdp_modules(modules)
 
 
@@ -86,15 +97,15 @@ def _check_fsdp_modules(modules: list) -> None:
             raise TypeError(f"expected modules sharded with hp.fully_shard, got {type(module).__name__}")
 
 
-def _default_mesh() -> DeviceMesh:
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+def _default_mesh(device: torch.device) -> DeviceMesh:
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def _validate_mesh(mesh: DeviceMesh, topology) -> dist.ProcessGroup | None:
     """Returns the replicate group for HSDP, None for plain FSDP; raises for layouts we don't shard."""
     world, per_node, nodes = topology.world_size, topology.local_world_size, topology.num_nodes
-    if mesh.device_type != "cpu":
-        raise ValueError(f"hp.fully_shard: mesh on {mesh.device_type!r}; this build shards CPU tensors")
+    if mesh.device_type not in ("cpu", "cuda"):
+        raise ValueError(f"hp.fully_shard: mesh on {mesh.device_type!r}; hyperparallel shards CPU and CUDA tensors")
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(world)):
         raise ValueError(
@@ -105,7 +116,8 @@ def _validate_mesh(mesh: DeviceMesh, topology) -> dist.ProcessGroup | None:
         if nodes > 1:
             raise ValueError(
                 f"hp.fully_shard: a 1-D mesh over {nodes} nodes; hyperparallel shards within a node and "
-                f"replicates across nodes: use a 2-D mesh, init_device_mesh('cpu', ({nodes}, {per_node}), "
+                f"replicates across nodes: use a 2-D mesh, init_device_mesh({mesh.device_type!r}, "
+                f"({nodes}, {per_node}), "
                 "mesh_dim_names=('replicate', 'shard'))"
             )
         return None
@@ -167,7 +179,6 @@ def fully_shard(
         model(input_ids, labels=labels).loss.backward()
         opt.step()
     """
-    global _reducer, _grad_windows
     if dp_mesh_dims is not None:
         raise NotImplementedError("hp.fully_shard: dp_mesh_dims is not supported; pass the data-parallel mesh")
     modules = list(module) if isinstance(module, list) else [module]
@@ -179,19 +190,23 @@ def fully_shard(
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"hp.fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     communicator = hp_comm.init()
-    mesh = mesh if mesh is not None else _default_mesh()
-    replicate = _validate_mesh(mesh, communicator.topology)
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
 
     ignored = set(ignored_params or ())
     params = []
     for m in modules:
         params += [p for p in _managed_params(m, ignored) if all(p is not q for q in params)]
-    if not params:
-        raise ValueError("hp.fully_shard: the module has no parameters left to shard")
     devices = sorted({str(p.device) for p in params})
     if len(devices) > 1:
         raise ValueError(f"hp.fully_shard: parameters on several devices {devices}; move the module to one first")
+    device = params[0].device if params else _mesh_or_default_device(mesh)
+    mesh = mesh if mesh is not None else _default_mesh(device)
+    replicate = _validate_mesh(mesh, communicator.topology)
+    if params and device.type != mesh.device_type:
+        raise ValueError(
+            f"hp.fully_shard: the parameters are on {device} but the mesh is a {mesh.device_type!r} mesh; "
+            f"move the module with .to({mesh.device_type!r}) or build the mesh on {device.type!r}"
+        )
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     for param in params:
         if isinstance(param, torch.distributed.tensor.DTensor):
             raise TypeError("hp.fully_shard: a parameter is already a DTensor; shard plain parameters")
@@ -200,14 +215,14 @@ def fully_shard(
             if placement is not None and placement != Shard(0):
                 raise ValueError(f"hp.fully_shard: shard_placement_fn returned {placement}; only Shard(0) is supported")
 
-    if _reducer is None:
-        _reducer = _C.Reducer()
-        _grad_windows = _C.GradWindows(communicator, 2)
-    cgroup = _C.ParamGroup(
-        communicator, _reducer, _grad_windows, [p.detach() for p in params],
-        mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
-    )
-    state = GroupState(modules, params, cgroup, mesh, placements,
+    # A module whose parameters all belong to groups below it (the usual root) gets no group
+    # of its own, as in torch: its state still drives the iteration.
+    core = None
+    if params:
+        core = _C.ParamGroup(
+            _context(), [p.detach() for p in params], mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
+        )
+    state = GroupState(modules, params, core, mesh, placements,
                        None if reshard_after_forward is None else bool(reshard_after_forward), mp_policy)
     for m in modules:
         state.find_owners(m, params)
@@ -216,39 +231,55 @@ def fully_shard(
         m._hp_state = state
         m.register_forward_pre_hook(_pre_forward, with_kwargs=True)
         m.register_forward_hook(_post_forward)
-        m.__class__ = type(f"HP{type(m).__name__}", (FSDPModule, type(m)), {})
+        m.__class__ = _fsdp_class(type(m))
     return module
 
 
-def _root_of(module: nn.Module) -> RootState:
-    root = getattr(module, "_hp_root", None)
-    if root is None:
+def _mesh_or_default_device(mesh: DeviceMesh | None) -> torch.device:
+    if mesh is not None:
+        return torch.device(mesh.device_type)
+    return torch.device("cpu")
+
+
+# One HP<Module> class per module type, as FSDP2 caches its FSDP<Module> classes.
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"HP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+def _root_of(module: nn.Module) -> RootContext:
+    """The root context a module's forward runs under; a module no root has claimed yet
+    becomes a root itself (the first forward of the outermost sharded module)."""
+    own = module._hp_state
+    if own.root is None:
         groups, seen = [], set()
         for sub in module.modules():
             if isinstance(sub, FSDPModule) and id(sub._hp_state) not in seen:
                 seen.add(id(sub._hp_state))
                 groups.append(sub._hp_state)
-        own = module._hp_state
         if own.auto_reshard:
             own.reshard_after_forward = False  # backward starts with the root's parameters
         for group in groups:
             originals = [ref.sharded for ref in group.refs]
             group.find_owners(module, originals)
-        root = RootState(module, groups)
-        module._hp_root = root
-    return root
+        RootContext(module, groups)
+    return own.root
 
 
 def _pre_forward(module: nn.Module, args: tuple, kwargs: dict):
-    if RootState.active is None:
-        _root_of(module).pre_forward()
-        module._hp_running_root = True
+    root = _root_of(module)
+    if root.module is module:
+        root.pre_forward()
     return module._hp_state.pre_forward(args, kwargs)
 
 
 def _post_forward(module: nn.Module, args: tuple, output):
     output = module._hp_state.post_forward(output)
-    if getattr(module, "_hp_running_root", False):
-        module._hp_running_root = False
-        output = module._hp_root.post_forward(output)
+    root = module._hp_state.root
+    if root is not None and root.module is module:
+        output = root.post_forward(output)
     return output

@@ -1,7 +1,19 @@
-"""Per-group FSDP state and the hooks that drive it; the work happens in C++ (_C.ParamGroup)."""
+"""FSDP state and the hooks that drive it; the work happens in C++ (``_C.ParamGroup``).
+
+Two objects, as in FSDP2: a :class:`GroupState` per ``fully_shard`` call (its parameters'
+two faces and the C++ group that owns their memory) and a :class:`RootContext` per root module
+(the groups one forward drives, in the order they ran, and the end of backward). Each group
+moves through an explicit :class:`TrainingState` per iteration.
+
+The state stays in Python because every transition happens in a module hook that torch calls
+in Python (forward pre/post hooks, autograd hooks, the engine's final callback), and the
+parameters' registration is Python attribute surgery; everything that touches memory or waits
+on another rank is one call into C++, which also serves a C++ program without these hooks.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -15,25 +27,37 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyperparallel import _C
 
-# Seconds the main thread spent blocked on other ranks (unshard waits, waits for
-# reductions at the end of backward), for benchmarks: see comm_wait_seconds().
-_comm_wait = [0.0]
+
+class _CommWait:
+    """Seconds this process's main thread spent blocked on other ranks (unshard waits, waits for
+    reductions at the end of backward), for benchmarks: see :func:`comm_wait_seconds`."""
+
+    seconds = 0.0
 
 
 def comm_wait_seconds(reset: bool = False) -> float:
     """Seconds this rank's main thread has waited on communication (since the last reset)."""
-    seconds = _comm_wait[0]
+    seconds = _CommWait.seconds
     if reset:
-        _comm_wait[0] = 0.0
+        _CommWait.seconds = 0.0
     return seconds
+
+
+class TrainingState(enum.Enum):
+    """Where a group is in the current iteration (FSDP2's states)."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()  # gradients flow through the module's outputs
+    POST_BACKWARD = enum.auto()  # the module's gradients are complete and handed to the reducer
 
 
 @dataclass
 class _ParamRef:
     """One parameter of a group: its two faces and every place it is registered."""
 
-    sharded: nn.Parameter  # DTensor over this rank's rows in shared memory
-    unsharded: nn.Parameter  # plain tensor over the node-shared full parameter
+    sharded: nn.Parameter  # DTensor over this rank's rows
+    unsharded: nn.Parameter  # plain tensor over the full parameter
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
@@ -52,41 +76,51 @@ class _PostBackward(torch.autograd.Function):
 
 
 class GroupState:
-    """The state of one fully_shard call: which parameters, their faces, the C++ group."""
+    """The state of one fully_shard call: which parameters, their faces, the C++ group.
+
+    ``core`` is None for a module none of whose parameters are left to it (a root whose
+    children own everything): it still drives the iteration as a root.
+    """
 
     def __init__(
         self,
         modules: list[nn.Module],
         params: list[nn.Parameter],
-        cgroup: _C.ParamGroup,
+        core: _C.ParamGroup | None,
         mesh: DeviceMesh,
         placements: tuple[Placement, ...],
         reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
-        self.cgroup = cgroup
+        self.core = core
         self.mesh = mesh
         self.placements = placements
+        # On a device the full parameters are this rank's own memory, freed on reshard and
+        # pulled again for backward; on the CPU they are node-shared memory that stays.
+        self.on_device = mesh.device_type != "cpu"
         self.auto_reshard = reshard_after_forward is None
         self.reshard_after_forward = True if reshard_after_forward is None else bool(reshard_after_forward)
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.mp_policy = mp_policy
         self.refs: list[_ParamRef] = []
-        for param, shard, full in zip(params, cgroup.shards, cgroup.full):
-            local = DTensor.from_local(
-                shard, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
-            self.refs.append(
-                _ParamRef(
-                    sharded=nn.Parameter(local, requires_grad=param.requires_grad),
-                    unsharded=nn.Parameter(full, requires_grad=param.requires_grad),
+        if core is not None:
+            for param, shard, full in zip(params, core.shards, core.full):
+                local = DTensor.from_local(
+                    shard, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
                 )
-            )
-        self.unsharded = False
-        self.forward_calls = 0  # this iteration: forward calls, minus post-backwards run
-        self.reduce_pending = False
+                self.refs.append(
+                    _ParamRef(
+                        sharded=nn.Parameter(local, requires_grad=param.requires_grad),
+                        unsharded=nn.Parameter(full, requires_grad=param.requires_grad),
+                    )
+                )
+        self.training_state = TrainingState.IDLE
+        self.unsharded = False  # which face is registered
+        self.pending_backwards = 0  # forward calls this iteration whose backward has not reached us
+        self.reduced = False  # a reduction was handed to C++ this backward
+        self.root: RootContext | None = None  # the root that drives this group, once it ran
 
     # -- registration ---------------------------------------------------------------------------
     def find_owners(self, root: nn.Module, originals: list[nn.Parameter]) -> None:
@@ -109,33 +143,51 @@ class GroupState:
                 module._parameters[name] = param
         self.unsharded = unsharded
 
-    # -- forward --------------------------------------------------------------------------------
+    # -- unshard and reshard --------------------------------------------------------------------
     def unshard(self) -> None:
-        if self.unsharded:
+        """Make the full parameters current and registered. On the CPU they stay current once
+        posted; on a device this waits for this iteration's pull."""
+        if self.core is None or (self.unsharded and not self.on_device):
             return
         start = time.perf_counter()
-        self.cgroup.wait_unshard()
-        _comm_wait[0] += time.perf_counter() - start
-        self.register(unsharded=True)
+        self.core.wait_unshard()
+        _CommWait.seconds += time.perf_counter() - start
+        if not self.unsharded:
+            self.register(unsharded=True)
+
+    def prefetch(self) -> None:
+        """Start this group's unshard without waiting (a device pulls on its own stream)."""
+        if self.core is not None and self.on_device:
+            self.core.begin_unshard()
 
     def reshard(self) -> None:
         if self.unsharded:
             self.register(unsharded=False)
+        if self.core is not None:
+            self.core.reshard()  # a device gives the full parameters' memory back
 
+    # -- forward --------------------------------------------------------------------------------
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.training_state = TrainingState.FORWARD
         self.unshard()
+        if self.root is not None:
+            self.root.prefetch_after(self)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
-        if torch.is_grad_enabled():
-            self.forward_calls += 1
+        if torch.is_grad_enabled() and self.refs:
+            self.pending_backwards += 1
             args, kwargs = self._hook_inputs(args, kwargs)
         return args, kwargs
 
     def post_forward(self, output):
         if self.reshard_after_forward:
             self.reshard()
+            # The freed parameters must come back before this module's backward.
+            if self.on_device and torch.is_grad_enabled() and self.refs:
+                self._hook_outputs(output)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
+        self.training_state = TrainingState.IDLE
         return output
 
     def _hook_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -147,13 +199,32 @@ class GroupState:
                 leaves[i] = tensor
         return tree_unflatten(leaves, spec)
 
+    def _hook_outputs(self, output) -> None:
+        leaves, _ = tree_flatten(output)
+        for tensor in leaves:
+            if torch.is_tensor(tensor) and tensor.requires_grad:
+                tensor.register_hook(self._pre_backward_hook)
+
     # -- backward -------------------------------------------------------------------------------
+    def _pre_backward_hook(self, grad):
+        if self.training_state != TrainingState.PRE_BACKWARD:
+            self.pre_backward()
+        return grad
+
+    def pre_backward(self) -> None:
+        """Gradients reached this module's outputs: its full parameters must be back."""
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        if self.root is not None:
+            self.root.prefetch_before(self)
+
     def post_backward(self) -> None:
         """This module's gradients are complete (after its last use in forward)."""
-        self.forward_calls -= 1
-        if self.forward_calls > 0:
+        self.pending_backwards -= 1
+        if self.pending_backwards > 0:
             return  # used again earlier in forward: wait for that use's backward
-        self.forward_calls = 0
+        self.pending_backwards = 0
+        self.training_state = TrainingState.POST_BACKWARD
         if self.requires_gradient_sync:
             grads = []
             for ref in self.refs:
@@ -161,23 +232,23 @@ class GroupState:
                 ref.unsharded.grad = None
             if any(grad is not None for grad in grads):
                 fresh = any(ref.sharded.grad is not None for ref in self.refs)
-                self.cgroup.reduce(grads, fresh)
-                self.reduce_pending = True
+                self.core.reduce(grads, fresh)
+                self.reduced = True
         if self.reshard_after_backward:
             self.reshard()
 
     def finish_backward(self) -> None:
         """End of backward: flush a group whose post-backward never ran, collect sharded grads."""
-        if self.forward_calls > 0 or (
+        if self.pending_backwards > 0 or (
             self.requires_gradient_sync and any(ref.unsharded.grad is not None for ref in self.refs)
         ):
-            self.forward_calls = 1
+            self.pending_backwards = 1
             self.post_backward()
-        if self.reduce_pending:
-            self.reduce_pending = False
+        if self.reduced:
+            self.reduced = False
             start = time.perf_counter()
-            grads = self.cgroup.sharded_grads()
-            _comm_wait[0] += time.perf_counter() - start
+            grads = self.core.sharded_grads()
+            _CommWait.seconds += time.perf_counter() - start
             for ref, grad in zip(self.refs, grads):
                 if grad is None:
                     continue
@@ -191,26 +262,31 @@ class GroupState:
                     ref.sharded.grad += sharded
         if self.reshard_after_backward:
             self.reshard()
+        if self.on_device and self.core is not None:
+            self.core.release()  # peers' pulls of our rows are done before the optimizer writes them
+        self.training_state = TrainingState.IDLE
 
 
-class RootState:
-    """The module whose forward starts an iteration: it posts every group's rows at once."""
-
-    active: RootState | None = None  # the root whose forward is running
+class RootContext:
+    """What one root module's forward drives: every group under it, the order they ran in
+    (to prefetch the next one's parameters), and the end of backward."""
 
     def __init__(self, module: nn.Module, groups: list[GroupState]) -> None:
         self.module = module
         self.groups = groups
+        self.order: list[GroupState] = []  # forward order, recorded by the first iteration
+        self.recording = True
         self.callback_queued = False
+        for group in groups:
+            group.root = self
 
     def pre_forward(self) -> None:
-        RootState.active = self
         for group in self.groups:
-            if not group.unsharded:
-                group.cgroup.begin_unshard()  # never blocks: the real wait is per group
+            if group.core is not None and (group.on_device or not group.unsharded):
+                group.core.publish()  # never blocks: each group's wait is in its own pre-forward
 
     def post_forward(self, output):
-        RootState.active = None
+        self.recording = False
         if torch.is_grad_enabled():
             self.callback_queued = False
             leaves, _ = tree_flatten(output)
@@ -221,8 +297,27 @@ class RootState:
             # No backward will release the parameters: do it now, so the
             # optimizer may write them.
             for group in self.groups:
-                group.cgroup.release()
+                if group.core is not None:
+                    group.core.release()
         return output
+
+    def prefetch_after(self, group: GroupState) -> None:
+        """``group`` starts its forward: record the order, and start pulling the next group."""
+        if self.recording:
+            if group not in self.order:
+                self.order.append(group)
+            return
+        if group in self.order:
+            index = self.order.index(group)
+            if index + 1 < len(self.order):
+                self.order[index + 1].prefetch()
+
+    def prefetch_before(self, group: GroupState) -> None:
+        """``group`` starts its backward: start pulling the group before it in forward order."""
+        if group in self.order:
+            index = self.order.index(group)
+            if index > 0 and self.order[index - 1].reshard_after_forward:
+                self.order[index - 1].prefetch()
 
     def _queue_final_callback(self, grad):
         if not self.callback_queued:

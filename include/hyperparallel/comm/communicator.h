@@ -31,6 +31,34 @@ class StoreBootstrap : public fabric::Bootstrap {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+class Communicator;
+
+// The collectives of a communicator on device tensors (CUDA). A device
+// backend linked into the extension registers a factory for its device type;
+// the first collective on such a tensor makes one (collectively: every rank
+// reaches it at the same call).
+class DeviceCollectives {
+ public:
+  virtual ~DeviceCollectives() = default;
+  virtual void broadcast(at::Tensor& tensor, int64_t src) = 0;
+  virtual void all_reduce(at::Tensor& tensor, ReduceOp op) = 0;
+  virtual void all_gather(at::Tensor& out, const at::Tensor& in) = 0;
+  virtual void reduce_scatter(at::Tensor& out, const at::Tensor& in, ReduceOp op) = 0;
+  // The zero-copy reduce-scatter (see Communicator).
+  virtual at::Tensor symmetric_empty(at::IntArrayRef sizes, at::ScalarType dtype) = 0;
+  // Returns true if `tensor` is one of this backend's symmetric tensors
+  // (then acquired: the current stream waits until peers finished reading it).
+  virtual bool acquire(const at::Tensor& tensor) = 0;
+  virtual void reduce_scatter_symmetric(at::Tensor& out, const at::Tensor& in, ReduceOp op) = 0;
+  virtual Stats stats() const = 0;
+  virtual void reset_stats() = 0;
+};
+using DeviceCollectivesFactory = std::unique_ptr<DeviceCollectives> (*)(Communicator& communicator,
+                                                                        c10::Device device);
+void register_device_collectives(c10::DeviceType type, DeviceCollectivesFactory factory);
+// The device types whose backends are linked in ("cuda"), besides the CPU.
+std::vector<std::string> device_backends();
+
 class Communicator {
  public:
   // `store`: the job's c10d store. `cross_node`: the process group of this
@@ -40,6 +68,9 @@ class Communicator {
 
   const fabric::Topology& topology() const { return topology_; }
   NodeComm& node() { return node_; }
+  const std::shared_ptr<fabric::Fabric>& fabric() const { return fabric_; }
+  // This rank's counterparts on the other nodes (null on one node).
+  const c10::intrusive_ptr<c10d::ProcessGroup>& cross_node() const { return cross_node_; }
 
   void barrier();
   void broadcast(at::Tensor& tensor, int64_t src);
@@ -49,11 +80,12 @@ class Communicator {
   // in: the full tensor; out: this rank's rows of the reduction.
   void reduce_scatter(at::Tensor& out, const at::Tensor& in, ReduceOp op);
 
-  // Zero-copy collectives on node-shared memory.
+  // Zero-copy collectives on node-shared memory (CPU tensors).
   // A tensor that exists once per node: every local rank sees the same data.
   at::Tensor shared_empty(at::IntArrayRef sizes, at::ScalarType dtype);
-  // This rank's tensor in a window where every local rank has one.
-  at::Tensor symmetric_empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  // This rank's tensor in a window where every local rank has one (on a
+  // GPU: this rank's device memory, mapped by every local rank).
+  at::Tensor symmetric_empty(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device = c10::kCPU);
   // Waits until every rank is done reading the tensor's last round; then this
   // rank may write into it.
   void acquire(const at::Tensor& window_tensor);
@@ -64,10 +96,13 @@ class Communicator {
   // rows of the reduction go to `out`.
   void reduce_scatter_symmetric(at::Tensor& out, const at::Tensor& in, ReduceOp op);
 
-  Stats stats() const { return node_.stats(); }
-  void reset_stats() { node_.reset_stats(); }
+  // Bytes moved by this rank since the last reset, on the CPU and devices.
+  Stats stats() const;
+  void reset_stats();
 
  private:
+  // The collectives for `tensor`'s device, made on first use.
+  DeviceCollectives& device(const at::Tensor& tensor);
   Window& window_of(const at::Tensor& tensor, const char* what);
   at::Tensor window_tensor(Window& window, void* data, at::IntArrayRef sizes, at::ScalarType dtype);
   // After `inputs` (one slot per local rank, `rows` rows each) is published:
@@ -84,6 +119,7 @@ class Communicator {
   // Windows handed out as tensors, by base address; shared with the tensors'
   // deleters, which drop their entry.
   std::shared_ptr<std::map<const void*, Window>> windows_;
+  std::map<std::string, std::unique_ptr<DeviceCollectives>> devices_;
 };
 
 DType dtype_of(at::ScalarType type);

@@ -30,6 +30,8 @@ namespace hp::fabric {
 
 // Largest number of ranks one node may hold.
 inline constexpr int kMaxLocalRanks = 64;
+// Largest blob one rank contributes to Fabric::exchange().
+inline constexpr std::size_t kExchangeBytes = 1024;
 
 // Tunables; defaults come from HP_* environment variables (docs/env.md).
 struct Options {
@@ -103,6 +105,11 @@ class Fabric {
   // Collective over local ranks.
   void barrier();
 
+  // Collective over local ranks: every rank contributes `mine` (at most
+  // kExchangeBytes) and gets every rank's, indexed by local rank. This is how
+  // ranks hand each other the handles that map device memory and events.
+  std::vector<std::string> exchange(const std::string& mine);
+
   // Marks the fabric failed with `reason` (the first reason wins), wakes every
   // waiter on every rank so that they raise FabricError naming it, and raises
   // it here too.
@@ -111,6 +118,14 @@ class Fabric {
 
   // Global rank of local rank `local`.
   int global_rank_of(int local) const;
+
+  // Arms the watchdog, for ranks that wait on the GPU: a stream waiting for a
+  // dead peer's event never finishes, and a host blocked on such a stream
+  // (a .item(), a synchronize) would hang instead of reaching a fabric wait
+  // that raises. Once armed, a peer found dead that no wait on this rank has
+  // reported within the heartbeat timeout ends this process with the
+  // FabricError's message and exit code 1, as NCCL's watchdog does.
+  void arm_watchdog();
 
  private:
   friend class Channel;
@@ -126,19 +141,24 @@ class Fabric {
   // Raises FabricError with the recorded abort reason.
   [[noreturn]] void fail();
   void heartbeat_loop();
+  // The watchdog's look at the peers, from the heartbeat thread.
+  void watch(int64_t& dead_since);
 
   Topology topology_;
   Options options_;
   std::shared_ptr<Segment> control_;
   Channel barrier_channel_;
   Channel alloc_channel_;
+  Channel exchange_channel_;
   uint64_t barrier_epoch_ = 0;
+  uint64_t exchange_epoch_ = 0;
   uint64_t alloc_seq_ = 0;
   int next_channel_ = 0;
   std::string name_prefix_;
   std::mutex heartbeat_mutex_;
   std::condition_variable heartbeat_wake_;
   bool stop_heartbeat_ = false;
+  std::atomic<bool> watchdog_{false};
   std::thread heartbeat_;
 };
 

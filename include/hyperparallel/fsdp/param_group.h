@@ -1,22 +1,28 @@
 // One FSDP parameter group: the parameters of one fully_shard call.
 //
-// The group's full parameters live once per node in a shared window, laid out
-// parameter-major. Rank r owns rows chunk(rows, shard_size, r) of each
-// parameter (torch.chunk on dim 0, as FSDP2), and its shard is a view of those
-// rows: the optimizer updates them in place, so "unsharding" is a wait until
-// every rank has posted its rows, never a copy. With mixed precision each
-// owner also writes its rows, once per step, into a low-precision window that
-// forward and backward read.
+// Rank r owns rows chunk(rows, shard_size, r) of each parameter (torch.chunk
+// on dim 0, as FSDP2) and its shard is a view of those rows that the
+// optimizer updates in place. Where the full parameters live depends on the
+// device, and is the only thing that does:
+//
+// - CPU: once per node, in a shared window laid out parameter-major; every
+//   rank's shard is a view into it, so "unsharding" is a wait until every
+//   rank has posted its rows, never a copy (group_cpu.cpp).
+// - CUDA: every rank keeps its shards in device memory its peers map, and
+//   unsharding pulls the peers' rows straight into the full parameters'
+//   storage on the copy engines, on a stream of its own, ahead of the compute
+//   that needs them; resharding frees that storage (group_cuda.cpp).
 //
 // Gradients are reduced on a Reducer thread while backward goes on: each rank
-// copies its full gradients into its slot of a symmetric window, and reduces
-// the rows it owns over all slots in one pass (then all-reduces its shard with
-// its replicas on other nodes, for HSDP).
+// puts its full gradients in its slot of a window every rank reads, and
+// reduces the rows it owns over all slots in one pass (then all-reduces its
+// shard with its replicas on other nodes, for HSDP).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -37,82 +43,79 @@ struct GroupOptions {
   c10::intrusive_ptr<c10d::ProcessGroup> replicate;
 };
 
-// A ring of symmetric windows for gradients, shared by all groups: a group
-// holds one only from its backward to the end of its reduction.
-class GradWindows {
+// What a device backend shares among all groups of a process (streams,
+// gradient buffers); each backend defines its own.
+struct BackendState {
+  virtual ~BackendState() = default;
+};
+
+// What all groups of a process share: the communicator, the one reducer
+// thread, and each device backend's state.
+class Context {
  public:
-  GradWindows(std::shared_ptr<comm::Communicator> communicator, int count);
-  // Collective: makes sure every window holds `bytes`.
-  void reserve(std::size_t bytes);
-  // The next window in ring order (every rank takes them in the same order).
-  comm::Window& next();
+  explicit Context(std::shared_ptr<comm::Communicator> communicator);
+  const std::shared_ptr<comm::Communicator>& communicator() const { return communicator_; }
+  const std::shared_ptr<Reducer>& reducer() const { return reducer_; }
+  // The backend's state for `device`, made by `make` on first use.
+  template <typename State, typename Make>
+  State& backend(c10::Device device, Make make) {
+    auto& slot = backends_[device.str()];
+    if (!slot) slot = make();
+    return static_cast<State&>(*slot);
+  }
 
  private:
   std::shared_ptr<comm::Communicator> communicator_;
-  std::vector<comm::Window> windows_;
-  std::size_t bytes_ = 0;
-  std::size_t next_ = 0;
+  std::shared_ptr<Reducer> reducer_;
+  std::map<std::string, std::shared_ptr<BackendState>> backends_;
 };
 
 class ParamGroup {
  public:
-  // Collective over the node's ranks. `params` are the full parameters (each
-  // rank contributes only its own rows of them).
-  ParamGroup(std::shared_ptr<comm::Communicator> communicator, std::shared_ptr<Reducer> reducer,
-             std::shared_ptr<GradWindows> grad_windows, const std::vector<at::Tensor>& params,
-             GroupOptions options);
-  // Waits for this group's pending reduction.
-  ~ParamGroup();
-  ParamGroup(const ParamGroup&) = delete;
-  ParamGroup& operator=(const ParamGroup&) = delete;
+  // Collective over the node's ranks: a group over `params` (the full
+  // parameters; each rank contributes only its own rows of them), on their
+  // device.
+  static std::shared_ptr<ParamGroup> create(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
+                                            GroupOptions options);
+  virtual ~ParamGroup() = default;
 
-  // Views into node-shared memory: the full parameters forward reads (in the
-  // compute dtype) and this rank's rows of the parameters (in their own
-  // dtype), which the optimizer updates in place.
-  const std::vector<at::Tensor>& full() const { return compute_views_; }
-  const std::vector<at::Tensor>& shards() const { return shard_views_; }
-  int shard_rank() const;
-  int shard_size() const;
+  // The full parameters forward reads (in the compute dtype) and this rank's
+  // rows of the parameters (in their own dtype), which the optimizer updates
+  // in place. On a GPU the full parameters have storage only while unsharded.
+  virtual const std::vector<at::Tensor>& full() const = 0;
+  virtual const std::vector<at::Tensor>& shards() const = 0;
 
-  // Posts this rank's rows (after writing its low-precision copy); never blocks.
-  void begin_unshard();
-  // Returns once every rank of the node has posted its rows.
-  void wait_unshard();
-  bool unshard_posted() const { return unshard_posted_; }
+  // Makes this rank's rows (after the optimizer wrote them) available to its
+  // peers for this iteration; never blocks. The root's forward does it for
+  // every group at once.
+  virtual void publish() = 0;
+  // Starts making the full parameters whole (publishing first if needed);
+  // returns without waiting for it: a prefetch.
+  virtual void begin_unshard() = 0;
+  // After this, the current stream (on the CPU: this thread) may read the
+  // full parameters.
+  virtual void wait_unshard() = 0;
+  // The full parameters are not needed until the next unshard: on a GPU
+  // their memory goes back to the allocator.
+  virtual void reshard() = 0;
 
   // Hands this rank's full gradients (nullopt: none) to the reducer thread and
   // returns at once. `fresh_output`: reduce into new memory, because the
   // previous sharded gradients are still in use.
-  void reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output);
+  virtual void reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) = 0;
   // Waits for the reduction; returns this rank's sharded gradients (in the
   // parameters' dtype), nullopt for parameters that got no gradient here.
-  std::vector<std::optional<at::Tensor>> sharded_grads();
-  // Declares this rank done reading the full parameters and waits until every
+  virtual std::vector<std::optional<at::Tensor>> sharded_grads() = 0;
+  // Declares this rank done reading its peers' rows and waits until every
   // rank is, so that the optimizer may write shards. Backward does this by
   // itself; needed after a forward without backward.
-  void release();
-
- private:
-  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output);
-
-  std::shared_ptr<comm::Communicator> communicator_;
-  std::shared_ptr<Reducer> reducer_;
-  std::shared_ptr<GradWindows> grad_windows_;
-  GroupOptions options_;
-  comm::Window params_;            // the parameters, in their own dtype
-  std::optional<comm::Window> compute_;  // low-precision copy, with mixed precision
-  std::vector<at::Tensor> param_views_, compute_views_, shard_views_, compute_shard_views_;
-  std::vector<int64_t> offsets_;        // elements from the window's start, per parameter
-  std::vector<comm::Range> shard_rows_; // per parameter
-  std::vector<int64_t> row_elems_;
-  std::vector<int64_t> shard_offsets_;  // in the sharded gradient buffer
-  int64_t total_elems_ = 0, shard_elems_ = 0;
-  at::ScalarType dtype_;
-  bool unshard_posted_ = false;
-  at::Tensor sharded_grad_buffer_;  // reused across steps
-  at::Tensor last_output_;          // where the last reduction wrote
-  std::vector<bool> has_grad_;
-  ReduceTicket ticket_ = 0;  // the last reduction handed to the reducer
+  virtual void release() = 0;
 };
+
+// How a device backend makes groups; a backend linked into the extension
+// registers itself for its device type (the CPU's is built in).
+using GroupFactory = std::shared_ptr<ParamGroup> (*)(std::shared_ptr<Context>, const std::vector<at::Tensor>&,
+                                                      GroupOptions);
+void register_group_factory(c10::DeviceType type, GroupFactory factory);
 
 }  // namespace hp::fsdp

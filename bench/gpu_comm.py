@@ -1,0 +1,197 @@
+"""All-gather and reduce-scatter on the device fabric vs Gloo-on-CUDA, against the device's
+own copy ceiling, and a GEMM's slowdown while an all-gather runs beside it.
+
+    python bench/gpu_comm.py                   # 1 MiB ... 1 GiB, 2 ranks
+    python bench/gpu_comm.py --max-mib 256 --nproc 2
+
+Run where the ranks have GPUs (scripts/gpu_check.sh does). With one GPU every rank shares it:
+the figures then measure the fabric's copies and kernels on one GPU's memory, not NVLink, and
+are labelled so. Times are CUDA-event medians on rank 0 of back-to-back calls between barriers,
+the systems alternated per repetition. Sizes are the full tensor (fp32):
+
+- copy: one device-to-device copy of the full size (the ceiling: bytes read + written over time);
+- hp AG: ``all_gather_into_tensor`` (peers' rows pulled straight into place on the copy engines);
+- hp RS: the zero-copy reduce-scatter (``symmetric_empty`` + ``reduce_scatter_symmetric``): one
+  kernel reading this rank's rows from every rank's buffer. Its bandwidth counts the bytes the
+  kernel reads and writes, to compare with the copy's;
+- hp RS copy: ``reduce_scatter_tensor`` on private tensors (copy-in, then the same kernel);
+- gloo AG / RS: torch.distributed with Gloo on the same CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import hyperparallel as hp
+from hyperparallel.launch import run
+
+
+def _median_ms(fn, repeats: int) -> float:
+    """Median milliseconds of one call on this rank's current stream, between barriers."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _gloo_reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
+    dist.reduce_scatter_tensor(out, full)
+
+
+def measure(sizes_mib: list[int], repeats: int) -> dict:
+    hp.comm.init()
+    device = hp.comm.device()
+    torch.cuda.set_device(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows_total = {}
+    results = []
+    for mib in sizes_mib:
+        n = mib * (1 << 20) // 4
+        n -= n % world
+        full = torch.randn(n, device=device)
+        mine = full[rank * (n // world) : (rank + 1) * (n // world)].clone()
+        out_full = torch.empty_like(full)
+        shard = torch.empty(n // world, device=device)
+        grad = hp.comm.symmetric_empty((n,), torch.float32, device=device)
+        grad.copy_(full)
+        copy_dst = torch.empty_like(full)
+
+        def copy():
+            copy_dst.copy_(full)
+
+        def hp_all_gather():
+            hp.comm.all_gather_into_tensor(out_full, mine)
+
+        def hp_reduce_scatter():
+            hp.comm.acquire(grad)
+            hp.comm.reduce_scatter_symmetric(shard, grad)
+
+        def hp_reduce_scatter_copy():
+            hp.comm.reduce_scatter_tensor(shard, full)
+
+        def gloo_all_gather():
+            dist.all_gather_into_tensor(out_full, mine)
+
+        def gloo_reduce_scatter():
+            _gloo_reduce_scatter(shard, full)
+
+        systems = {"copy": copy, "hp AG": hp_all_gather, "hp RS": hp_reduce_scatter,
+                   "hp RS copy": hp_reduce_scatter_copy, "gloo AG": gloo_all_gather, "gloo RS": gloo_reduce_scatter}
+        usable = {}
+        for name, fn in systems.items():  # warm up; drop what this build of Gloo cannot do
+            try:
+                fn()
+                torch.cuda.synchronize()
+                usable[name] = fn
+            except (RuntimeError, ValueError) as error:
+                rows_total.setdefault("skipped", []).append(f"{name} at {mib} MiB: {str(error).splitlines()[0]}")
+        times = {name: [] for name in usable}
+        gloo_repeats = max(1, repeats // 5) if mib >= 64 else repeats
+        for index in range(repeats):
+            for name, fn in usable.items():  # alternated, so that drift hits every system alike
+                if name.startswith("gloo") and index >= gloo_repeats:
+                    continue
+                times[name].append(_median_ms(fn, 1))
+        row = {"mib": mib, **{name: statistics.median(values) for name, values in times.items()}}
+        results.append(row)
+        del grad
+    # The GEMM beside an all-gather: rank 0 multiplies while every rank pulls.
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    n = 256 * (1 << 20) // 4
+    n -= n % world
+    gathered = torch.empty(n, device=device)
+    piece = torch.randn(n // world, device=device)
+    side = torch.cuda.Stream(device)
+
+    def gemms(count: int = 10):
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def timed_gemms() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gemms()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 10
+
+    gemms(3)
+    torch.cuda.synchronize()
+    alone, beside = [], []
+    for _ in range(max(3, repeats // 3)):
+        dist.barrier()
+        if rank == 0:
+            alone.append(timed_gemms())
+        dist.barrier()
+        # Enough all-gathers on a side stream to span the GEMMs on the default stream.
+        with torch.cuda.stream(side):
+            for _ in range(40):
+                hp.comm.all_gather_into_tensor(gathered, piece)
+        if rank == 0:
+            beside.append(timed_gemms())
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return {"rows": results, "gemm_alone_ms": statistics.median(alone) if alone else None,
+            "gemm_beside_ms": statistics.median(beside) if beside else None,
+            "skipped": rows_total.get("skipped", []), "gpu": torch.cuda.get_device_name(device),
+            "gpus": torch.cuda.device_count(), "world": world}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--max-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    sizes = [s for s in (1, 4, 16, 64, 256, 1024) if s <= args.max_mib]
+    result = run(measure, nproc=args.nproc, args=(sizes, args.repeats))[0]
+    shared = result["gpus"] < result["world"]
+    label = "ranks share one GPU: not NVLink" if shared else "one GPU per rank"
+    print(f"{result['world']} ranks on {result['gpus']} x {result['gpu']} ({label}); fp32, medians of CUDA events")
+    header = ["MiB", "copy GB/s", "hp AG GB/s", "hp RS GB/s", "RS/copy", "hp RS copy GB/s", "gloo AG GB/s",
+              "gloo RS GB/s", "AG hp/gloo", "RS hp/gloo"]
+    print(" | ".join(header))
+    world = result["world"]
+    for row in result["rows"]:
+        size = row["mib"] * (1 << 20)
+
+        def rate(name, moved):
+            return moved / (row[name] * 1e-3) / 1e9 if name in row else float("nan")
+
+        copy_bw = rate("copy", 2 * size)  # read + write
+        # The RS kernel reads its 1/world of every rank's buffer (size bytes) and writes 1/world.
+        rs_bw = rate("hp RS", size + size / world)
+        cells = [
+            row["mib"], copy_bw, rate("hp AG", size), rs_bw, rs_bw / copy_bw, rate("hp RS copy", size),
+            rate("gloo AG", size), rate("gloo RS", size),
+            row.get("gloo AG", float("nan")) / row["hp AG"], row.get("gloo RS", float("nan")) / row["hp RS copy"],
+        ]
+        print(" | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells))
+    if result["gemm_alone_ms"]:
+        slow = result["gemm_beside_ms"] / result["gemm_alone_ms"] - 1
+        print(f"8192^3 bf16 GEMM: {result['gemm_alone_ms']:.3f} ms alone, {result['gemm_beside_ms']:.3f} ms beside "
+              f"an all-gather of 256 MiB on the copy engines: {100 * slow:+.1f}% ({label})")
+    for line in result["skipped"]:
+        print("skipped:", line)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(result, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,455 @@
+// The CUDA backend's parameter groups (see param_group.h).
+//
+// A GPU computes on its own HBM, so every rank keeps the full parameters it
+// is computing with in its own device memory, and only while it needs them:
+//
+// - This rank's rows of every parameter live in device memory its peers map
+//   (fabric::PeerMemory): the DTensor shards the optimizer updates in place.
+//   With mixed precision the owner also casts them, once per iteration, into
+//   a low-precision copy that the peers read instead.
+// - Unsharding pulls every rank's rows straight into the full parameters'
+//   storage (one flat allocation from torch's caching allocator, the
+//   parameters views of it) with batched copies on the copy engines, on an
+//   all-gather stream of its own: no flat buffer to copy in or out of, no SMs
+//   taken from the compute beside it. Resharding gives the storage back; the
+//   parameter tensors stay (autograd holds them), as in FSDP2.
+// - Reduce-scatter: each rank puts its full gradients in its slot of a
+//   gradient window every rank maps, and one kernel sums this rank's rows
+//   over every slot into its sharded gradients, on a reduce-scatter stream.
+//
+// Streams of different ranks are ordered by fabric::DeviceSignal (IPC events
+// whose rounds the host channels announce); nothing spins on the GPU.
+// This file reaches CUDA only through c10's device interfaces and the
+// torch-free device layer, so it compiles against a CPU-only torch; it is
+// linked where torch has CUDA and registers itself then.
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "hyperparallel/comm/device_comm.h"
+#include "hyperparallel/fabric/device.h"
+#include "hyperparallel/fsdp/param_group.h"
+
+namespace hp::fsdp {
+namespace {
+
+// Parameters start on 32-element boundaries (64 bytes of fp32), the kernels'
+// vector loads' alignment and then some.
+constexpr int64_t kAlignElems = 32;
+// A shard's parameter starts at the same offset modulo kPhase as its rows in
+// the full layout, so that the reduce kernel reads and writes 16 bytes at a
+// time for fp32 and bf16 alike.
+constexpr int64_t kPhase = 8;
+
+int64_t align_up(int64_t elems) { return (elems + kAlignElems - 1) / kAlignElems * kAlignElems; }
+
+using fabric::StreamHandle;
+
+StreamHandle handle(const c10::Stream& stream) { return stream.native_handle(); }
+
+c10::Stream current_stream(c10::Device device) {
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  return impl.getStream(device);
+}
+
+// Where a group's parameters live, for every rank (each rank computes every
+// rank's layout: its peers read its shards where this says they are).
+struct Layout {
+  std::vector<int64_t> numel, rows, row_elems, full_offset;  // per parameter
+  int64_t full_elems = 0;
+  std::vector<std::vector<comm::Range>> shard_rows;  // [rank][parameter]
+  std::vector<std::vector<int64_t>> shard_offset;    // [rank][parameter], elements
+  int64_t shard_capacity = 0;                        // the largest rank's shard buffer
+
+  Layout(const std::vector<at::Tensor>& params, int ranks) {
+    for (const auto& param : params) {
+      numel.push_back(param.numel());
+      rows.push_back(param.size(0));
+      row_elems.push_back(param.size(0) == 0 ? 0 : param.numel() / param.size(0));
+      full_offset.push_back(full_elems);
+      full_elems += align_up(param.numel());
+    }
+    shard_rows.resize(ranks);
+    shard_offset.resize(ranks);
+    for (int r = 0; r < ranks; ++r) {
+      int64_t offset = 0;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const comm::Range mine = comm::chunk(rows[i], ranks, r);
+        const int64_t phase = (full_offset[i] + int64_t(mine.begin) * row_elems[i]) % kPhase;
+        shard_rows[r].push_back(mine);
+        shard_offset[r].push_back(align_up(offset) + phase);
+        offset = shard_offset[r].back() + int64_t(mine.size()) * row_elems[i];
+      }
+      shard_capacity = std::max(shard_capacity, align_up(offset));
+    }
+  }
+  int64_t shard_numel(int rank, std::size_t i) const { return int64_t(shard_rows[rank][i].size()) * row_elems[i]; }
+};
+
+// One gradient window: every rank's full gradients for one group at a time,
+// with the signals that keep a rank from overwriting its slot before every
+// peer has read it.
+struct GradWindow {
+  std::shared_ptr<fabric::PeerMemory> memory;
+  std::unique_ptr<fabric::DeviceSignal> ready, done;
+};
+
+// What all CUDA groups of a process share: the all-gather and reduce-scatter
+// streams, and a ring of two gradient windows (a group holds one from its
+// backward to the end of its reduction; two let one reduction overlap the
+// next group's backward).
+class CudaState : public BackendState {
+ public:
+  CudaState(std::shared_ptr<fabric::Fabric> fabric, c10::Device device)
+      : fabric_(std::move(fabric)),
+        device_(device),
+        all_gather(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, true)),
+        reduce_scatter(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, true)) {
+    for (auto& window : windows_) {
+      window.ready = std::make_unique<fabric::DeviceSignal>(*fabric_, device.index());
+      window.done = std::make_unique<fabric::DeviceSignal>(*fabric_, device.index());
+    }
+  }
+
+  // Collective (every rank at the same fully_shard call): windows of at
+  // least `bytes` per rank.
+  void reserve(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    for (auto& window : windows_) {
+      // Peers may still read the old buffer: wait until they are done with
+      // its last round before it goes.
+      if (window.memory && window.done->posted() > 0) {
+        window.done->wait_all(window.done->posted(), handle(reduce_scatter), "growing the gradient windows");
+        fabric::device::synchronize(handle(reduce_scatter));
+      }
+      window.memory.reset();
+      window.memory = std::make_shared<fabric::PeerMemory>(*fabric_, device_.index(), bytes);
+    }
+    bytes_ = bytes;
+  }
+  // The next window in ring order (the reducer thread alone takes them, in
+  // the same order on every rank).
+  GradWindow& next() {
+    GradWindow& window = windows_[next_];
+    next_ = (next_ + 1) % std::size(windows_);
+    return window;
+  }
+
+ private:
+  std::shared_ptr<fabric::Fabric> fabric_;
+  c10::Device device_;
+
+ public:
+  const c10::Stream all_gather, reduce_scatter;
+
+ private:
+  GradWindow windows_[2];
+  std::size_t bytes_ = 0, next_ = 0;
+};
+
+// A tensor over peer memory; it keeps the memory alive.
+at::Tensor over(const std::shared_ptr<fabric::PeerMemory>& memory, int64_t elems, at::ScalarType dtype,
+                c10::Device device) {
+  return at::from_blob(memory->local(), {elems}, [memory](void*) {},
+                       at::TensorOptions().dtype(dtype).device(device));
+}
+
+class CudaParamGroup : public ParamGroup {
+ public:
+  CudaParamGroup(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params, GroupOptions options);
+  ~CudaParamGroup() override;
+
+  const std::vector<at::Tensor>& full() const override { return full_views_; }
+  const std::vector<at::Tensor>& shards() const override { return shard_views_; }
+  void publish() override;
+  void begin_unshard() override;
+  void wait_unshard() override;
+  void reshard() override;
+  void reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) override;
+  std::vector<std::optional<at::Tensor>> sharded_grads() override;
+  void release() override;
+
+ private:
+  void allocate_full();
+  void free_full();
+  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output);
+  StreamHandle compute() const { return handle(current_stream(device_)); }
+  int rank() const { return communicator_->node().rank(); }
+  int ranks() const { return communicator_->node().size(); }
+
+  std::shared_ptr<comm::Communicator> communicator_;
+  std::shared_ptr<Reducer> reducer_;
+  c10::Device device_;
+  CudaState& state_;
+  GroupOptions options_;
+  at::ScalarType dtype_, compute_dtype_, grad_dtype_;
+  Layout layout_;
+  std::shared_ptr<fabric::PeerMemory> shard_, compute_shard_;  // compute_shard_: with mixed precision
+  at::Tensor shard_flat_, compute_shard_flat_;
+  std::vector<at::Tensor> shard_views_;
+  at::Tensor full_flat_;  // its storage is swapped in and out; the views stay
+  std::vector<at::Tensor> full_views_;
+  std::unique_ptr<fabric::DeviceSignal> shard_ready_;  // this rank's rows are readable for this iteration
+  std::unique_ptr<fabric::DeviceSignal> pulled_;       // this rank finished a pull of its peers' rows
+  fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, reduced_at_;
+  uint64_t publish_round_ = 0;
+  bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
+  at::Tensor sharded_grad_buffer_;  // reused across steps
+  at::Tensor last_output_;
+  std::vector<bool> has_grad_;
+  ReduceTicket ticket_ = 0;
+};
+
+CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
+                               GroupOptions options)
+    : communicator_(context->communicator()),
+      reducer_(context->reducer()),
+      device_(params.at(0).device()),
+      state_(context->backend<CudaState>(device_, [&] {
+        c10::DeviceGuard guard(device_);
+        return std::make_shared<CudaState>(context->communicator()->fabric(), device_);
+      })),
+      options_(std::move(options)),
+      dtype_(params[0].scalar_type()),
+      compute_dtype_(options_.param_dtype.value_or(dtype_)),
+      grad_dtype_(options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_))),
+      layout_(params, communicator_->node().size()) {
+  c10::DeviceGuard guard(device_);
+  for (const auto& param : params) {
+    TORCH_CHECK(param.scalar_type() == dtype_, "hyperparallel fully_shard: one group's parameters must share a dtype, ",
+                "found ", dtype_, " and ", param.scalar_type(), "; call fully_shard on a submodule to split them");
+    TORCH_CHECK(param.dim() >= 1, "hyperparallel fully_shard: 0-dim parameters cannot be sharded on dim 0; ",
+                "make it a 1-element tensor or pass it in ignored_params");
+  }
+  comm::dtype_of(dtype_);
+  comm::dtype_of(compute_dtype_);
+  comm::dtype_of(grad_dtype_);
+  fabric::Fabric& fabric = *communicator_->fabric();
+  const int index = device_.index();
+
+  shard_ = std::make_shared<fabric::PeerMemory>(fabric, index, layout_.shard_capacity * c10::elementSize(dtype_));
+  shard_flat_ = over(shard_, layout_.shard_capacity, dtype_, device_);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const comm::Range rows = layout_.shard_rows[rank()][i];
+    std::vector<int64_t> sizes = params[i].sizes().vec();
+    sizes[0] = int64_t(rows.size());
+    shard_views_.push_back(shard_flat_.narrow(0, layout_.shard_offset[rank()][i], layout_.shard_numel(rank(), i)).view(sizes));
+    // Each rank contributes the rows it owns, as FSDP2 keeps each rank's chunk.
+    shard_views_[i].copy_(params[i].detach().narrow(0, rows.begin, rows.size()));
+  }
+  if (compute_dtype_ != dtype_) {
+    compute_shard_ = std::make_shared<fabric::PeerMemory>(fabric, index,
+                                                          layout_.shard_capacity * c10::elementSize(compute_dtype_));
+    compute_shard_flat_ = over(compute_shard_, layout_.shard_capacity, compute_dtype_, device_);
+  }
+  // The full parameters: views of one flat tensor whose storage comes and goes.
+  full_flat_ = at::empty({layout_.full_elems}, at::TensorOptions().dtype(compute_dtype_).device(device_));
+  for (std::size_t i = 0; i < params.size(); ++i)
+    full_views_.push_back(full_flat_.narrow(0, layout_.full_offset[i], layout_.numel[i]).view(params[i].sizes()));
+  allocated_ = true;
+  free_full();
+  shard_ready_ = std::make_unique<fabric::DeviceSignal>(fabric, index);
+  pulled_ = std::make_unique<fabric::DeviceSignal>(fabric, index);
+  state_.reserve(layout_.full_elems * c10::elementSize(grad_dtype_));
+}
+
+CudaParamGroup::~CudaParamGroup() {
+  try {
+    reducer_->wait(ticket_);
+  } catch (...) {
+    // The error was raised where the reduction was awaited; nothing to add.
+  }
+}
+
+void CudaParamGroup::allocate_full() {
+  // From torch's caching allocator on the compute stream, which alone reads
+  // the parameters; the all-gather stream writes them only after the compute
+  // stream reached this point (allocated_at_), so a block the allocator
+  // hands back is never written while an earlier reader still runs.
+  const std::size_t bytes = std::size_t(layout_.full_elems) * c10::elementSize(compute_dtype_);
+  at::Tensor fresh = at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(device_));
+  c10::StorageImpl* storage = full_flat_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(std::move(fresh.storage().unsafeGetStorageImpl()->mutable_data_ptr()));
+  storage->set_nbytes(bytes);
+  allocated_ = true;
+}
+
+void CudaParamGroup::free_full() {
+  c10::StorageImpl* storage = full_flat_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+  storage->set_nbytes(0);
+  allocated_ = false;
+}
+
+void CudaParamGroup::publish() {
+  if (published_) return;
+  c10::DeviceGuard guard(device_);
+  const StreamHandle all_gather = handle(state_.all_gather);
+  // The optimizer wrote the shards on the compute stream.
+  published_at_.record(compute());
+  published_at_.wait(all_gather);
+  if (compute_shard_) {
+    c10::StreamGuard on(state_.all_gather);
+    compute_shard_flat_.copy_(shard_flat_);  // one cast over the whole buffer, padding included
+  }
+  publish_round_ = shard_ready_->post(all_gather);
+  published_ = true;
+}
+
+void CudaParamGroup::begin_unshard() {
+  if (pull_pending_ || unsharded_) return;  // on its way, or whole
+  c10::DeviceGuard guard(device_);
+  publish();
+  const StreamHandle all_gather = handle(state_.all_gather);
+  if (!allocated_) allocate_full();
+  allocated_at_.record(compute());
+  allocated_at_.wait(all_gather);
+  shard_ready_->wait_all(publish_round_, all_gather, "unshard (waiting for peers' rows)");
+  const std::size_t esize = c10::elementSize(compute_dtype_);
+  char* full = static_cast<char*>(full_flat_.data_ptr());
+  const auto& sources = compute_shard_ ? compute_shard_->peers() : shard_->peers();
+  fabric::CopyBatch copies;
+  for (int r = 0; r < ranks(); ++r) {
+    for (std::size_t i = 0; i < layout_.numel.size(); ++i) {
+      const int64_t begin = layout_.full_offset[i] + int64_t(layout_.shard_rows[r][i].begin) * layout_.row_elems[i];
+      copies.add(full + begin * esize, static_cast<const char*>(sources[r]) + layout_.shard_offset[r][i] * esize,
+                 layout_.shard_numel(r, i) * esize);
+    }
+  }
+  copies.run(all_gather);
+  pulled_->post(all_gather);
+  unsharded_at_.record(all_gather);
+  pull_pending_ = true;
+}
+
+void CudaParamGroup::wait_unshard() {
+  begin_unshard();
+  if (!pull_pending_) return;
+  unsharded_at_.wait(compute());
+  pull_pending_ = false;
+  unsharded_ = true;
+}
+
+void CudaParamGroup::reshard() {
+  if (!allocated_) return;
+  // Never give back memory a copy may still write.
+  if (pull_pending_) unsharded_at_.wait(compute());
+  pull_pending_ = unsharded_ = false;
+  free_full();
+}
+
+void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) {
+  TORCH_CHECK(grads.size() == shard_views_.size(), "hyperparallel fsdp: got ", grads.size(), " gradients for ",
+              shard_views_.size(), " parameters");
+  c10::DeviceGuard guard(device_);
+  has_grad_.clear();
+  for (const auto& grad : grads) has_grad_.push_back(grad.has_value());
+  at::Tensor output;
+  if (fresh_output || !sharded_grad_buffer_.defined()) {
+    output = at::empty({layout_.shard_capacity}, at::TensorOptions().dtype(dtype_).device(device_));
+    if (!fresh_output) sharded_grad_buffer_ = output;
+  } else {
+    output = sharded_grad_buffer_;
+  }
+  last_output_ = output;
+  // The gradients and the output are ready on the compute stream here. The
+  // allocator may hand the gradients' memory to the compute stream again as
+  // soon as this function drops them: tell it the reduce-scatter stream
+  // still reads them.
+  grads_at_.record(compute());
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  for (const auto& grad : grads)
+    if (grad) impl.recordDataPtrOnStream(grad->storage().data_ptr(), state_.reduce_scatter);
+  ticket_ = reducer_->submit([this, grads = std::move(grads), output] { run_reduce(grads, output); });
+}
+
+void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output) {
+  c10::DeviceGuard guard(device_);
+  c10::StreamGuard on(state_.reduce_scatter);  // the ATen casts below run there too
+  const StreamHandle stream = handle(state_.reduce_scatter);
+  grads_at_.wait(stream);
+  GradWindow& window = state_.next();
+  if (window.done->posted() > 0)
+    window.done->wait_all(window.done->posted(), stream, "reduce-scatter (peers finishing the last reduction)");
+  at::Tensor mine = over(window.memory, layout_.full_elems, grad_dtype_, device_);
+  const std::size_t esize = c10::elementSize(grad_dtype_);
+  fabric::CopyBatch copies;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    at::Tensor slot = mine.narrow(0, layout_.full_offset[i], layout_.numel[i]);
+    if (!grads[i]) {
+      slot.zero_();  // a parameter unused here may be used on a peer
+    } else if (grads[i]->scalar_type() == grad_dtype_ && grads[i]->is_contiguous()) {
+      copies.add(slot.data_ptr(), grads[i]->data_ptr(), layout_.numel[i] * esize);
+    } else {
+      slot.copy_(grads[i]->reshape({-1}));
+    }
+  }
+  copies.run(stream);
+  const uint64_t round = window.ready->post(stream);
+  window.ready->wait_all(round, stream, "reduce-scatter (waiting for peers' gradients)");
+  std::vector<comm::ReduceSegment> segments;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const int64_t src = layout_.full_offset[i] + int64_t(layout_.shard_rows[rank()][i].begin) * layout_.row_elems[i];
+    segments.push_back(
+        comm::ReduceSegment{uint64_t(src), uint64_t(layout_.shard_offset[rank()][i]), uint64_t(layout_.shard_numel(rank(), i))});
+  }
+  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
+  const float scale = 1.0f / float(ranks() * replicas);
+  std::vector<const void*> inputs(window.memory->peers().begin(), window.memory->peers().end());
+  // The kernel narrows nothing from fp32: an fp32 reduction for bf16
+  // parameters lands in fp32 first.
+  const bool narrowing = grad_dtype_ == at::kFloat && dtype_ != at::kFloat;
+  at::Tensor target = narrowing ? at::empty({layout_.shard_capacity}, output.options().dtype(at::kFloat)) : output;
+  comm::device_reduce(target.data_ptr(), comm::dtype_of(target.scalar_type()), inputs, comm::dtype_of(grad_dtype_),
+                      segments, scale, stream);
+  window.done->post(stream);
+  if (narrowing) output.copy_(target);
+  if (options_.replicate) {
+    std::vector<at::Tensor> tensors{output};
+    options_.replicate->allreduce(tensors)->wait();
+  }
+  reduced_at_.record(stream);
+}
+
+std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {
+  reducer_->wait(ticket_);
+  c10::DeviceGuard guard(device_);
+  reduced_at_.wait(compute());
+  std::vector<std::optional<at::Tensor>> grads;
+  for (std::size_t i = 0; i < shard_views_.size(); ++i) {
+    if (!has_grad_.empty() && has_grad_[i]) {
+      grads.push_back(last_output_.narrow(0, layout_.shard_offset[rank()][i], shard_views_[i].numel())
+                          .view(shard_views_[i].sizes()));
+    } else {
+      grads.push_back(std::nullopt);
+    }
+  }
+  return grads;
+}
+
+void CudaParamGroup::release() {
+  reducer_->wait(ticket_);
+  c10::DeviceGuard guard(device_);
+  // The optimizer writes this rank's shards on the compute stream: only after
+  // every peer's pulls of them have completed.
+  if (pulled_->posted() > 0)
+    pulled_->wait_all(pulled_->posted(), compute(), "release (peers finishing reading this rank's rows)");
+  // The next iteration publishes new rows and pulls them again, into the
+  // storage still held if the group was not resharded.
+  published_ = false;
+  if (pull_pending_) unsharded_at_.wait(compute());
+  pull_pending_ = unsharded_ = false;
+}
+
+std::shared_ptr<ParamGroup> make_cuda_group(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
+                                            GroupOptions options) {
+  return std::make_shared<CudaParamGroup>(std::move(context), params, std::move(options));
+}
+
+const bool registered = (register_group_factory(c10::DeviceType::CUDA, &make_cuda_group), true);
+
+}  // namespace
+}  // namespace hp::fsdp

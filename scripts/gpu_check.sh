@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA GPU (the lent H200 machine, or your own), build the
+# extension against the torch that is there, run the tests marked `gpu`, then the GPU benchmarks.
+# Logs go to $OUT (default: runs/gpu_check). Each step has its own time limit and the script goes
+# on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
+#
+#   bash scripts/gpu_check.sh                 # everything, about 8 minutes on an H200
+#   STEPS="build test" bash scripts/gpu_check.sh
+#
+# Nothing is installed from a package index: the build uses that machine's cmake, ninja, nvcc and
+# torch (>= 2.11, with CUDA). Wheels in .whl/ (e.g. the transformers version CI pins) are put on
+# PYTHONPATH first when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"probe build test bench"}
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: runs it under a limit, logs to $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
+  local start=$SECONDS
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
+  local status=$?
+  echo "== $name: exit $status after $((SECONDS - start)) s"
+  tail -n 25 "$OUT/$name.log"
+  [[ $status == 0 ]] || failed+=("$name")
+}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hp-site .whl/*.whl \
+    && export PYTHONPATH=/tmp/hp-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+probe() {
+  nvidia-smi
+  "$PYTHON" - <<'EOF'
+import sys, sysconfig, torch, transformers
+print("python", sys.version.split()[0], "include", sysconfig.get_paths()["include"])
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+print("transformers", transformers.__version__)
+EOF
+  nvcc --version | tail -1
+  cmake --version | head -1
+}
+
+build() {
+  # Plain cmake: the extension only, against this machine's torch; then into the package.
+  local python
+  python=$(command -v "$PYTHON")
+  [[ $python == /* ]] || python=$PWD/$python
+  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DHP_BUILD_TESTS=OFF -DHP_CUDA=ON \
+    -DPython3_EXECUTABLE="$python" -DPython3_FIND_VIRTUALENV=FIRST &&
+    cmake --build build/gpu -j "$(nproc)" &&
+    cp build/gpu/_C*.so hyperparallel/ &&
+    "$PYTHON" -c "import hyperparallel as hp; from hyperparallel import _C; print('device backends:', _C.device_backends())"
+}
+
+tests() {
+  "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 \
+    tests/python/test_gpu_comm.py tests/python/test_gpu_fsdp.py
+}
+
+bench() {
+  "$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 12 --json "$OUT/gpu_comm.json"
+}
+
+export PYTHON OUT
+export -f probe build tests bench
+step probe 60 probe
+step build 300 build
+step test 420 tests
+step bench 240 bench
+
+if ((${#failed[@]})); then
+  echo "gpu_check: failed steps: ${failed[*]} (logs in $OUT)"
+  exit 1
+fi
+echo "gpu_check: all steps passed (logs in $OUT)"
