@@ -64,8 +64,14 @@ build() {
 }
 
 tests() {
-  "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 \
+  # A hung test fails alone (pytest-timeout, where installed) instead of taking the step's time.
+  local per_test=()
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
+  "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 "${per_test[@]}" \
     tests/python/test_gpu_comm.py tests/python/test_gpu_fsdp.py
+  local status=$?
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv  # what the tests left on the GPU
+  return $status
 }
 
 bench() {
@@ -75,9 +81,9 @@ bench() {
 export PYTHON OUT
 export -f probe build tests bench
 step probe 60 probe
-step build 300 build
-step test 420 tests
-step bench 240 bench
+step build 240 build
+step test 330 tests
+step bench 150 bench
 
 if ((${#failed[@]})); then
   echo "gpu_check: failed steps: ${failed[*]} (logs in $OUT)"
