@@ -4,8 +4,10 @@
 # Logs go to $OUT (default: runs/gpu_check). Each step has its own time limit and the script goes
 # on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
 #
-#   bash scripts/gpu_check.sh                 # everything, about 8 minutes on an H200
+#   bash scripts/gpu_check.sh                 # everything, about 6 minutes on an H200
 #   STEPS="build test" bash scripts/gpu_check.sh
+#   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
+#                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
 #
 # Nothing is installed from a package index: the build uses that machine's cmake, ninja, nvcc and
 # torch (>= 2.11, with CUDA). Wheels in .whl/ (e.g. the transformers version CI pins) are put on
@@ -52,6 +54,10 @@ EOF
 }
 
 build() {
+  if [[ -n ${HP_PREBUILT:-} ]] && cp "$HP_PREBUILT"/_C*.so hyperparallel/ &&
+    "$PYTHON" -c "from hyperparallel import _C; print('prebuilt; device backends:', _C.device_backends())"; then
+    return 0
+  fi
   # Plain cmake: the extension only, against this machine's torch; then into the package.
   local python
   python=$(command -v "$PYTHON")
@@ -66,7 +72,7 @@ build() {
 tests() {
   # A hung test fails alone (pytest-timeout, where installed) instead of taking the step's time.
   local per_test=()
-  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=100)
   "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 "${per_test[@]}" \
     tests/python/test_gpu_comm.py tests/python/test_gpu_fsdp.py
   local status=$?
@@ -78,7 +84,7 @@ bench() {
   "$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 12 --json "$OUT/gpu_comm.json"
 }
 
-export PYTHON OUT
+export PYTHON OUT HP_PREBUILT
 export -f probe build tests bench
 step probe 60 probe
 step build 240 build
