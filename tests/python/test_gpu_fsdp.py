@@ -35,10 +35,26 @@ def _device() -> torch.device:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
-        for name, p in model.named_parameters()
-    }
+    """Every parameter whole, on the CPU. Shards travel as CPU objects over the default group:
+    DTensor.full_tensor() over Gloo on CUDA tensors segfaulted in torch 2.11 (a Gloo CUDA
+    all-gather; NCCL, which real GPU jobs use, is not affected)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+                for name, p in model.named_parameters()}
+    local = {name: (p.to_local() if isinstance(p, DTensor) else p).detach().float().cpu()
+             for name, p in model.named_parameters()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    per_node = hp.comm.get().topology.local_world_size
+    full = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            # Rows are chunked over one node's ranks (HSDP replicates them across nodes).
+            shards = everyone[:per_node] if p.device_mesh.ndim == 2 else everyone
+            full[name] = torch.cat([shard[name] for shard in shards])
+        else:
+            full[name] = local[name].clone()
+    return full
 
 
 def train(model, data, rank: int, world: int, device, clip: float | None = None) -> list[float]:
