@@ -41,6 +41,11 @@ def _config(module: torch.nn.Module):
     return getattr(module, "config", None)
 
 
+def _attn_implementation(config) -> str:
+    # HF's attention runs eager when no implementation is set.
+    return (config._attn_implementation if config is not None else None) or "eager"
+
+
 class FusedRMSNorm:
     """HF RMSNorm as one pass forward and one backward (``hyperparallel::rms_norm``)."""
 
@@ -55,9 +60,14 @@ class FusedRMSNorm:
 class FusedAttention:
     """q/k-norm, RoPE and causal GQA attention in one op (``hyperparallel::attention``).
 
-    The projections stay HF's ``nn.Linear`` modules. Decoding steps that read a
-    filled KV cache, masks longer than the sequence and calls that ask for the
-    attention weights (``output_attentions``) take HF's path.
+    The projections stay HF's ``nn.Linear`` modules. A call takes HF's path
+    instead when the kernel cannot serve it: the attention weights are asked
+    for (``output_attentions``, as a keyword or in the config), the KV cache
+    holds earlier tokens or is a static cache (whose mask spans the whole
+    cache), the mask is longer than the sequence, the attention implementation
+    was set to one other than sdpa/eager after patching. Every one of these
+    tests reads only shapes, config values and Python objects, so
+    ``torch.compile(fullgraph=True)`` resolves the choice while tracing.
     """
 
     def forward(
@@ -68,15 +78,7 @@ class FusedAttention:
         past_key_values=None,
         **kwargs,
     ) -> tuple[Tensor, None]:
-        if attention_mask is not None and not isinstance(attention_mask, Tensor):
-            raise TypeError(
-                f"hp.nn fused attention reads sdpa or eager masks (None or a tensor), got "
-                f"{type(attention_mask).__name__}; use attn_implementation='sdpa'"
-            )
-        seq = hidden_states.shape[-2]
-        cached = past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0
-        longer_mask = attention_mask is not None and tuple(attention_mask.shape[-2:]) != (seq, seq)
-        if cached or longer_mask or kwargs.get("output_attentions"):
+        if self._takes_hf_path(hidden_states, attention_mask, past_key_values, kwargs):
             return super().forward(
                 hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
             )
@@ -109,12 +111,27 @@ class FusedAttention:
             return "sliding-window attention"
         if config is not None and config.attention_dropout:
             return f"attention_dropout={config.attention_dropout}"
-        implementation = (config._attn_implementation if config is not None else None) or "eager"
+        implementation = _attn_implementation(config)
         if implementation not in SUPPORTED_ATTENTION:
             return f"attn_implementation={implementation!r} (fused attention reads sdpa/eager masks)"
         if module.head_dim % 2:
             return f"odd head_dim={module.head_dim}"
         return None
+
+    def _takes_hf_path(self, hidden_states: Tensor, attention_mask, past_key_values, kwargs: dict) -> bool:
+        if kwargs.get("output_attentions", self.config.output_attentions):
+            return True  # the kernel keeps no attention weights
+        if _attn_implementation(self.config) not in SUPPORTED_ATTENTION:
+            return True  # set_attn_implementation() after patching
+        seq = hidden_states.shape[-2]
+        if attention_mask is not None and (
+            not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape[-2:]) != (seq, seq)
+        ):
+            return True  # a mask the kernel cannot read, or keys beyond this call's tokens
+        # A static cache's length is data (how many slots are filled): never branch on it.
+        return past_key_values is not None and (
+            past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) > 0
+        )
 
 
 class FusedSwiGLU:

@@ -22,6 +22,11 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.cache_utils import DynamicCache
+from transformers.generation.configuration_utils import CompileConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 import hyperparallel.nn as hpnn
 
@@ -301,8 +306,11 @@ def test_torch_compile_matches_eager():
     )
     _, fused = build(config, seed=9)
     compiled_model = copy.deepcopy(fused)
-    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=False)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(6))
+    # HF installs the hooks that collect router logits on first use, under a lock dynamo cannot
+    # trace (unpatched models too): one eager call installs them before the fullgraph compile.
+    compiled_model(input_ids=ids[:, :2], output_router_logits=True, use_cache=False)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     (eager, eager_grads), (comp, comp_grads) = (
         forward_backward(m, ids, output_router_logits=True, use_cache=False) for m in (fused, compiled)
     )
@@ -323,3 +331,101 @@ def test_save_and_from_pretrained_round_trip(tmp_path):
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, **STRICT)
+
+
+def test_attention_weights_come_from_hf_when_the_config_asks():
+    """config.output_attentions = True (no keyword) returns HF's attention weights; the keyword still wins."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    config._attn_implementation = "eager"
+    model, fused = build(config, seed=12)
+    for m in (model, fused):
+        m.config.output_attentions = True
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref, got = (m(input_ids=ids) for m in (model, fused))
+        without = fused(input_ids=ids, output_attentions=False)
+    assert got.attentions is not None
+    assert len(got.attentions) == len(ref.attentions) == config.num_hidden_layers
+    for a, b in zip(got.attentions, ref.attentions):
+        assert_close(a, b, **STRICT)
+    assert without.attentions is None
+    assert_close(without.logits, ref.logits, **STRICT)
+
+
+STATIC_GREEDY = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
+
+
+def _graph_recorder(graphs: list):
+    """A torch.compile backend that keeps each FX graph's call targets and runs the graph as traced."""
+
+    def backend(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return gm.forward
+
+    return backend
+
+
+def test_fullgraph_compile_without_and_with_a_cache():
+    """torch.compile(forward, fullgraph=True): no cache, a dynamic cache (prefill + decoding), and HF's
+    generate with a static cache and a fullgraph compile config; each matches the eager HF model."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=14)
+    model.eval(), fused.eval()
+    graphs: list = []
+    compiled = torch.compile(fused.forward, fullgraph=True, backend=_graph_recorder(graphs))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        assert_close(compiled(input_ids=ids, use_cache=False).logits, model(input_ids=ids).logits, **STRICT)
+        assert "hyperparallel.attention" in graphs[-1] and "hyperparallel.moe_experts" in graphs[-1]
+
+        ref_cache, cache = DynamicCache(config=model.config), DynamicCache(config=fused.config)
+        step = ids
+        for _ in range(3):  # the prefill runs the kernel; decoding steps read the cache with HF's attention
+            ref = model(input_ids=step, past_key_values=ref_cache, use_cache=True)
+            got = compiled(input_ids=step, past_key_values=cache, use_cache=True)
+            assert_close(got.logits, ref.logits, **STRICT)
+            step = ref.logits[:, -1:].argmax(-1)
+        for a, b in zip(cache.layers, ref_cache.layers):
+            assert_close(a.keys, b.keys, **STRICT)
+
+    # HF compiles the forward for static caches on accelerators only, unless asked for every device.
+    compile_config = CompileConfig(fullgraph=True, backend=_graph_recorder(graphs), mode=None)
+    compile_config._compile_all_devices = True
+    prompt = ids[:, :5]
+    graphs.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(prompt, **STATIC_GREEDY)
+        tokens = fused.generate(prompt, **STATIC_GREEDY, compile_config=compile_config)
+    assert graphs and all("hyperparallel.rms_norm" in graph for graph in graphs), "no fused forward compiled"
+    assert torch.equal(tokens, expected)
+
+
+def _ran_kernel(model, ids, op: str) -> tuple[torch.Tensor, bool]:
+    """The model's logits, and whether the forward ran torch.ops.hyperparallel.<op> (per the profiler)."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(input_ids=ids).logits
+    return logits, any(event.name == f"hyperparallel::{op}" for event in prof.events())
+
+
+def test_attention_implementation_set_after_patching_runs_hf():
+    """An implementation chosen after patch() (here sdpa under another registered name) is HF's to run."""
+    calls = []
+
+    def counted_sdpa(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("counted_sdpa", counted_sdpa)
+    AttentionMaskInterface.register("counted_sdpa", sdpa_mask)
+    config = make_config("dense", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model, fused = build(config, seed=16)
+    fused.set_attn_implementation("counted_sdpa")
+    ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(13))
+    got, kernel = _ran_kernel(fused, ids, "attention")
+    assert not kernel and len(calls) == config.num_hidden_layers
+    assert_close(got, model(input_ids=ids).logits, **STRICT)
