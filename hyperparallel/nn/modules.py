@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -36,6 +38,11 @@ _ops = torch.ops.hyperparallel
 # (batch or 1, 1, seq, seq) bool / additive tensor.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
+# The dtypes the kernels compute in (float32 accumulation for both).
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+_warned_dtypes: set[frozenset[torch.dtype]] = set()
+
 
 def _config(module: torch.nn.Module):
     return getattr(module, "config", None)
@@ -46,10 +53,33 @@ def _attn_implementation(config) -> str:
     return (config._attn_implementation if config is not None else None) or "eager"
 
 
+def _fusable(*tensors: Tensor, same_dtype: bool = True) -> bool:
+    """Whether the kernels take these tensors: float32 or bfloat16, and one dtype if ``same_dtype``.
+
+    When they do not (an fp16 or float64 model), the caller runs HF's forward
+    for that call instead; the first such call for each set of dtypes warns.
+    The check reads only dtypes, so torch.compile resolves it while tracing.
+    """
+    dtypes = frozenset(t.dtype for t in tensors)
+    if dtypes <= frozenset(FUSED_DTYPES) and (len(dtypes) == 1 or not same_dtype):
+        return True
+    if dtypes not in _warned_dtypes and not torch.compiler.is_compiling():
+        _warned_dtypes.add(dtypes)
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        warnings.warn(
+            f"hp.nn: the fused kernels compute float32 and bfloat16 (one dtype per call); calls with {names} "
+            "run HF's modules instead (cast the model with .float() or .bfloat16() to use the fused ones)",
+            stacklevel=3,
+        )
+    return False
+
+
 class FusedRMSNorm:
     """HF RMSNorm as one pass forward and one backward (``hyperparallel::rms_norm``)."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
+        if not _fusable(hidden_states, self.weight, same_dtype=False):
+            return super().forward(hidden_states)
         return _ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     @staticmethod
@@ -65,9 +95,10 @@ class FusedAttention:
     for (``output_attentions``, as a keyword or in the config), the KV cache
     holds earlier tokens or is a static cache (whose mask spans the whole
     cache), the mask is longer than the sequence, the attention implementation
-    was set to one other than sdpa/eager after patching. Every one of these
-    tests reads only shapes, config values and Python objects, so
-    ``torch.compile(fullgraph=True)`` resolves the choice while tracing.
+    was set to one other than sdpa/eager after patching, or the dtypes are not
+    float32/bfloat16. Every one of these tests reads only shapes, dtypes,
+    config values and Python objects, so ``torch.compile(fullgraph=True)``
+    resolves the choice while tracing.
     """
 
     def forward(
@@ -128,17 +159,22 @@ class FusedAttention:
             not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape[-2:]) != (seq, seq)
         ):
             return True  # a mask the kernel cannot read, or keys beyond this call's tokens
-        # A static cache's length is data (how many slots are filled): never branch on it.
-        return past_key_values is not None and (
+        if past_key_values is not None and (
+            # A static cache's length is data (how many slots are filled): never branch on it.
             past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) > 0
-        )
+        ):
+            return True
+        return not _fusable(hidden_states, self.q_norm.weight, self.k_norm.weight)
 
 
 class FusedSwiGLU:
     """HF's gated MLP ``down(silu(gate(x)) * up(x))`` (``hyperparallel::swiglu_mlp``)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return _ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if not _fusable(x, *weights):
+            return super().forward(x)
+        return _ops.swiglu_mlp(x, *weights)
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
@@ -153,6 +189,8 @@ class FusedRouter:
     """Router logits, float32 softmax, top-k and renormalisation (``hyperparallel::moe_router``)."""
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if not _fusable(hidden_states, self.weight):
+            return super().forward(hidden_states)
         flat = hidden_states.reshape(-1, self.hidden_dim)
         return _ops.moe_router(flat, self.weight, self.top_k, self.norm_topk_prob)
 
@@ -165,6 +203,8 @@ class FusedExperts:
     """Grouped expert GEMMs on tokens sorted by expert (``hyperparallel::moe_experts``)."""
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if not _fusable(hidden_states, self.gate_up_proj, self.down_proj):
+            return super().forward(hidden_states, top_k_index, top_k_weights)
         return _ops.moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
 
     @staticmethod
@@ -255,7 +295,12 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         aux_loss = None
         if output_router_logits:
             router_logits = torch.stack(outputs.router_logits)
-            aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
+            if _fusable(router_logits):
+                aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
+            else:
+                aux_loss = qwen3_moe.load_balancing_loss_func(
+                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+                )
             if loss is not None:
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(

@@ -429,3 +429,35 @@ def test_attention_implementation_set_after_patching_runs_hf():
     got, kernel = _ran_kernel(fused, ids, "attention")
     assert not kernel and len(calls) == config.num_hidden_layers
     assert_close(got, model(input_ids=ids).logits, **STRICT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_other_dtypes_run_hf_modules_with_one_warning(dtype):
+    """A dtype the kernels do not compute runs HF's modules, bit for bit, and warns once; it never raises."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, _ = build(config, seed=13, patch=False)
+    model = model.to(dtype)
+    model.set_experts_implementation("eager")  # the experts' fallback is HF's reference loop
+    fused = copy.deepcopy(model)
+    hpnn.modules._warned_dtypes.clear()  # earlier tests in this process may have warned already
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hpnn.patch(fused)
+        (got, got_grads), _ = (forward_backward(fused, ids, output_router_logits=True) for _ in range(2))
+        prompt = ids[:, :5]
+        tokens = fused.generate(prompt, **STATIC_GREEDY)
+    ours = [str(w.message) for w in caught if "hp.nn" in str(w.message)]
+    assert len(ours) == 1 and str(dtype).removeprefix("torch.") in ours[0], ours
+    ref, ref_grads = forward_backward(model, ids, output_router_logits=True)
+    assert got.logits.dtype == dtype
+    assert torch.equal(got.logits, ref.logits)
+    assert torch.equal(got.loss, ref.loss) and torch.equal(got.aux_loss, ref.aux_loss)
+    for name in ref_grads:
+        assert torch.equal(got_grads[name], ref_grads[name]), name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(prompt, **STATIC_GREEDY)
+    assert torch.equal(tokens, expected)
