@@ -24,6 +24,7 @@ import warnings
 
 import torch
 from torch import Tensor
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
@@ -40,6 +41,11 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 # The dtypes the kernels compute in (float32 accumulation for both).
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+# The name under which the fused experts are registered with HF's experts
+# interface; patch() selects it, model.set_experts_implementation() selects
+# another ("eager", "grouped_mm", ...) or this one again.
+EXPERTS_IMPLEMENTATION = "hyperparallel"
 
 _warned_dtypes: set[frozenset[torch.dtype]] = set()
 
@@ -200,12 +206,14 @@ class FusedRouter:
 
 
 class FusedExperts:
-    """Grouped expert GEMMs on tokens sorted by expert (``hyperparallel::moe_experts``)."""
+    """Grouped expert GEMMs on tokens sorted by expert (``hyperparallel::moe_experts``).
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        if not _fusable(hidden_states, self.gate_up_proj, self.down_proj):
-            return super().forward(hidden_states, top_k_index, top_k_weights)
-        return _ops.moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    HF's experts dispatch on ``config._experts_implementation``; the kernel is
+    registered there as ``"hyperparallel"`` (:func:`experts_forward`), which
+    patch() selects. ``model.set_experts_implementation("grouped_mm")`` (or
+    ``"eager"``, ...) runs HF's implementation again, and
+    ``set_experts_implementation("hyperparallel")`` the kernel.
+    """
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
@@ -223,6 +231,26 @@ class FusedExperts:
             if getattr(module, name, expected) != expected:
                 return f"experts with {name}={not expected}"
         return None
+
+
+def experts_forward(
+    module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """The experts implementation ``"hyperparallel"``: the fused kernel on patched experts.
+
+    Experts that patch() did not swap (a model built later from a patched
+    model's config object) and dtypes other than float32/bfloat16 run HF's
+    eager loop over experts, the reference the kernel reproduces.
+    """
+    if isinstance(module, FusedExperts) and _fusable(hidden_states, module.gate_up_proj, module.down_proj):
+        return _ops.moe_experts(
+            hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights
+        )
+    # HF's use_experts_implementation wraps the eager forward in its dispatcher (functools.wraps).
+    return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
+
+
+ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
 class FusedQwen3RMSNorm(FusedRMSNorm, qwen3.Qwen3RMSNorm):
@@ -263,6 +291,11 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
     It keeps HF's class name because ``save_pretrained`` records the class name
     as the checkpoint's architecture.
     """
+
+    # HF lets set_experts_implementation() change a model's config only when the
+    # model class's source file uses @use_experts_implementation (a heuristic
+    # whose result it caches here); this file's experts do dispatch on it.
+    _can_set_experts_implementation_cached_value = True
 
     @can_return_tuple
     def forward(

@@ -7,7 +7,7 @@ import warnings
 import transformers
 from torch import nn
 
-from hyperparallel.nn.modules import FUSED, SUPPORTED_MODELS
+from hyperparallel.nn.modules import EXPERTS_IMPLEMENTATION, FUSED, SUPPORTED_MODELS, FusedExperts
 
 # The transformers release whose modeling code the fused modules reproduce.
 TRANSFORMERS_VERSION = "5.23.0"
@@ -22,6 +22,9 @@ def patch(model: nn.Module) -> dict[str, type[nn.Module]]:
     ``from_pretrained`` checkpoints and later FSDP wrapping see the same model.
     A module with an option the fused kernels do not implement (sliding-window
     or dropout attention, a non-SiLU MLP, ...) is left as it is, with a warning.
+    When experts are fused, the model's experts implementation becomes
+    ``"hyperparallel"`` (``model.set_experts_implementation("grouped_mm")``
+    goes back to HF's).
 
     Args:
         model: a ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or their base
@@ -67,4 +70,6 @@ def patch(model: nn.Module) -> dict[str, type[nn.Module]]:
             continue
         replaced[name] = type(module)
         module.__class__ = fused
+    if any(issubclass(FUSED[cls], FusedExperts) for cls in replaced.values()):
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return replaced

@@ -461,3 +461,24 @@ def test_other_dtypes_run_hf_modules_with_one_warning(dtype):
         warnings.simplefilter("ignore")
         expected = model.generate(prompt, **STATIC_GREEDY)
     assert torch.equal(tokens, expected)
+
+
+def test_set_experts_implementation_routes_to_hf_and_back():
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=15)
+    assert fused.config._experts_implementation == hpnn.modules.EXPERTS_IMPLEMENTATION
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(12))
+    logits, kernel = _ran_kernel(fused, ids, "moe_experts")
+    assert kernel
+    for implementation in ("eager", "grouped_mm"):
+        for m in (model, fused):
+            m.set_experts_implementation(implementation)
+        assert fused.config._experts_implementation == implementation
+        got, kernel = _ran_kernel(fused, ids, "moe_experts")
+        assert not kernel, implementation
+        assert_close(got, model(input_ids=ids).logits, **STRICT)
+    fused.set_experts_implementation(hpnn.modules.EXPERTS_IMPLEMENTATION)
+    got, kernel = _ran_kernel(fused, ids, "moe_experts")
+    assert kernel and torch.equal(got, logits)
