@@ -47,6 +47,9 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # another ("eager", "grouped_mm", ...) or this one again.
 EXPERTS_IMPLEMENTATION = "hyperparallel"
 
+# ACT2FN names of SiLU, the activation the fused MLP and experts compute.
+SILU = ("silu", "swish")
+
 _warned_dtypes: set[frozenset[torch.dtype]] = set()
 
 
@@ -184,7 +187,7 @@ class FusedSwiGLU:
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
-        if module.config.hidden_act != "silu":
+        if module.config.hidden_act not in SILU:
             return f"hidden_act={module.config.hidden_act!r}"
         if any(p.bias is not None for p in (module.gate_proj, module.up_proj, module.down_proj)):
             return "biased projections"
@@ -217,7 +220,7 @@ class FusedExperts:
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
-        if module.config.hidden_act != "silu":
+        if module.config.hidden_act not in SILU:
             return f"hidden_act={module.config.hidden_act!r}"
         layout = {
             "has_gate": True,

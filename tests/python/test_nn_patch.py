@@ -202,10 +202,12 @@ def test_patch_keeps_parameters_names_and_state_dict():
     )
     before = dict(model.named_parameters())
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    replaced = hpnn.patch(model)
+    report = hpnn.patch(model)
     assert dict(model.named_parameters()) == before  # the same Parameter objects under the same names
     assert {k: v.shape for k, v in model.state_dict().items()} == shapes
     layer = model.model.layers[1]
+    replaced = report.replaced
+    assert report.left == {}
     assert replaced[""].__name__ == "Qwen3MoeForCausalLM"
     assert replaced["model.layers.0.mlp"].__name__ == "Qwen3MoeMLP"
     assert replaced["model.layers.1.mlp.experts"].__name__ == "Qwen3MoeExperts"
@@ -214,7 +216,7 @@ def test_patch_keeps_parameters_names_and_state_dict():
     assert replaced["model.norm"].__name__ == "Qwen3MoeRMSNorm"
     assert isinstance(layer.self_attn, replaced["model.layers.1.self_attn"])  # still an HF module
     assert type(layer).__name__ == "Qwen3MoeDecoderLayer"  # decoder layers stay for FSDP
-    assert hpnn.patch(model) == {}
+    assert hpnn.patch(model) == hpnn.PatchReport()  # patching twice replaces nothing
 
 
 def test_unknown_model_raises():
@@ -239,9 +241,11 @@ def test_sliding_window_attention_is_left_unpatched_with_a_warning():
     )
     model, _ = build(config, seed=5, patch=False)
     fused = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match=r"model.layers.1.self_attn .* sliding-window"):
-        replaced = hpnn.patch(fused)
-    assert "model.layers.0.self_attn" in replaced and "model.layers.1.self_attn" not in replaced
+    left = r"left 1 modules as HF's \(sliding-window attention: model.layers.1.self_attn\)"
+    with pytest.warns(UserWarning, match=left):
+        report = hpnn.patch(fused)
+    assert "model.layers.0.self_attn" in report.replaced
+    assert report.left == {"model.layers.1.self_attn": "sliding-window attention"}
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
     assert_model_parity(model, fused, ids, aux_options=(None,))
 
@@ -251,8 +255,10 @@ def test_unsupported_attention_implementation_is_left_unpatched():
     config._attn_implementation = "flex_attention"
     model = AutoModelForCausalLM.from_config(config)
     with pytest.warns(UserWarning, match="flex_attention"):
-        replaced = hpnn.patch(model)
-    assert not any(name.endswith("self_attn") for name in replaced)
+        report = hpnn.patch(model)
+    assert not any(name.endswith("self_attn") for name in report.replaced)
+    reason = "attn_implementation='flex_attention' (fused attention reads sdpa/eager masks)"
+    assert report.left == {f"model.layers.{i}.self_attn": reason for i in range(2)}
 
 
 def test_parameters_replaced_after_patching_are_used():
@@ -482,3 +488,62 @@ def test_set_experts_implementation_routes_to_hf_and_back():
     fused.set_experts_implementation(hpnn.modules.EXPERTS_IMPLEMENTATION)
     got, kernel = _ran_kernel(fused, ids, "moe_experts")
     assert kernel and torch.equal(got, logits)
+
+
+def test_patch_reports_what_it_left_and_why():
+    """Non-SiLU MLPs and experts and sliding-window layers stay HF's; the report names each, with why.
+    "swish" is ACT2FN's other name for SiLU, so its MLPs are fused."""
+    moe_config = make_config(
+        "moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        hidden_act="gelu",
+    )
+    dense_config = make_config(
+        "dense",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="gelu_pytorch_tanh",
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    swish_config = make_config(
+        "dense", num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="swish"
+    )
+    expected = {
+        "moe": {
+            "model.layers.0.mlp": "hidden_act='gelu'",
+            "model.layers.1.mlp.experts": "hidden_act='gelu'",
+        },
+        "dense": {
+            "model.layers.0.mlp": "hidden_act='gelu_pytorch_tanh'",
+            "model.layers.1.self_attn": "sliding-window attention",
+            "model.layers.1.mlp": "hidden_act='gelu_pytorch_tanh'",
+        },
+        "swish": {},
+    }
+    for kind, config in (("moe", moe_config), ("dense", dense_config), ("swish", swish_config)):
+        model, _ = build(config, seed=17, patch=False)
+        fused = copy.deepcopy(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = hpnn.patch(fused)
+        left_warnings = [w for w in caught if "hp.nn.patch left" in str(w.message)]
+        assert len(left_warnings) == (1 if expected[kind] else 0)
+        assert report.left == expected[kind]
+        assert not set(report.left) & set(report.replaced)
+        assert "model.layers.1.input_layernorm" in report.replaced and "model.norm" in report.replaced
+        assert ("model.layers.0.mlp" in report.replaced) == (kind == "swish")
+        for name, reason in report.left.items():
+            assert f"{name}: {reason}" in str(report)
+        if kind == "moe":  # experts left as HF's keep HF's experts implementation
+            assert fused.config._experts_implementation != hpnn.modules.EXPERTS_IMPLEMENTATION
+        ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(14))
+        aux = (False, True) if kind == "moe" else (None,)
+        assert_model_parity(model, fused, ids, aux_options=aux)
