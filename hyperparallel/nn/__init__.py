@@ -2,7 +2,8 @@
 
 ``patch(model)`` swaps a model's RMSNorms, attention, MLPs and MoE
 router/experts for C++ kernels (torch custom ops ``torch.ops.hyperparallel.*``
-with C++ autograd) without changing its parameters or state_dict;
+with C++ autograd) without changing its parameters or state_dict, and
+returns a ``PatchReport`` of what it swapped and what it left as HF's;
 ``load_pretrained(model, directory)`` loads HF safetensors weights into it.
 
 Example::
@@ -20,6 +21,6 @@ Example::
 
 from hyperparallel.nn import modules
 from hyperparallel.nn.load import LoadResult, load_pretrained
-from hyperparallel.nn.patch import patch
+from hyperparallel.nn.patch import PatchReport, patch
 
-__all__ = ["LoadResult", "load_pretrained", "modules", "patch"]
+__all__ = ["LoadResult", "PatchReport", "load_pretrained", "modules", "patch"]

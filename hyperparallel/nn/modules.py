@@ -20,8 +20,11 @@ Example::
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
@@ -36,15 +39,56 @@ _ops = torch.ops.hyperparallel
 # (batch or 1, 1, seq, seq) bool / additive tensor.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
+# The dtypes the kernels compute in (float32 accumulation for both).
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+# The name under which the fused experts are registered with HF's experts
+# interface; patch() selects it, model.set_experts_implementation() selects
+# another ("eager", "grouped_mm", ...) or this one again.
+EXPERTS_IMPLEMENTATION = "hyperparallel"
+
+# ACT2FN names of SiLU, the activation the fused MLP and experts compute.
+SILU = ("silu", "swish")
+
+_warned_dtypes: set[frozenset[torch.dtype]] = set()
+
 
 def _config(module: torch.nn.Module):
     return getattr(module, "config", None)
+
+
+def _attn_implementation(config) -> str:
+    # HF's attention runs eager when no implementation is set.
+    return (config._attn_implementation if config is not None else None) or "eager"
+
+
+def _fusable(*tensors: Tensor, same_dtype: bool = True) -> bool:
+    """Whether the kernels take these tensors: float32 or bfloat16, and one dtype if ``same_dtype``.
+
+    When they do not (an fp16 or float64 model), the caller runs HF's forward
+    for that call instead; the first such call for each set of dtypes warns.
+    The check reads only dtypes, so torch.compile resolves it while tracing.
+    """
+    dtypes = frozenset(t.dtype for t in tensors)
+    if dtypes <= frozenset(FUSED_DTYPES) and (len(dtypes) == 1 or not same_dtype):
+        return True
+    if dtypes not in _warned_dtypes and not torch.compiler.is_compiling():
+        _warned_dtypes.add(dtypes)
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        warnings.warn(
+            f"hp.nn: the fused kernels compute float32 and bfloat16 (one dtype per call); calls with {names} "
+            "run HF's modules instead (cast the model with .float() or .bfloat16() to use the fused ones)",
+            stacklevel=3,
+        )
+    return False
 
 
 class FusedRMSNorm:
     """HF RMSNorm as one pass forward and one backward (``hyperparallel::rms_norm``)."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
+        if not _fusable(hidden_states, self.weight, same_dtype=False):
+            return super().forward(hidden_states)
         return _ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     @staticmethod
@@ -55,9 +99,15 @@ class FusedRMSNorm:
 class FusedAttention:
     """q/k-norm, RoPE and causal GQA attention in one op (``hyperparallel::attention``).
 
-    The projections stay HF's ``nn.Linear`` modules. Decoding steps that read a
-    filled KV cache, masks longer than the sequence and calls that ask for the
-    attention weights (``output_attentions``) take HF's path.
+    The projections stay HF's ``nn.Linear`` modules. A call takes HF's path
+    instead when the kernel cannot serve it: the attention weights are asked
+    for (``output_attentions``, as a keyword or in the config), the KV cache
+    holds earlier tokens or is a static cache (whose mask spans the whole
+    cache), the mask is longer than the sequence, the attention implementation
+    was set to one other than sdpa/eager after patching, or the dtypes are not
+    float32/bfloat16. Every one of these tests reads only shapes, dtypes,
+    config values and Python objects, so ``torch.compile(fullgraph=True)``
+    resolves the choice while tracing.
     """
 
     def forward(
@@ -68,15 +118,7 @@ class FusedAttention:
         past_key_values=None,
         **kwargs,
     ) -> tuple[Tensor, None]:
-        if attention_mask is not None and not isinstance(attention_mask, Tensor):
-            raise TypeError(
-                f"hp.nn fused attention reads sdpa or eager masks (None or a tensor), got "
-                f"{type(attention_mask).__name__}; use attn_implementation='sdpa'"
-            )
-        seq = hidden_states.shape[-2]
-        cached = past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0
-        longer_mask = attention_mask is not None and tuple(attention_mask.shape[-2:]) != (seq, seq)
-        if cached or longer_mask or kwargs.get("output_attentions"):
+        if self._takes_hf_path(hidden_states, attention_mask, past_key_values, kwargs):
             return super().forward(
                 hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
             )
@@ -109,23 +151,43 @@ class FusedAttention:
             return "sliding-window attention"
         if config is not None and config.attention_dropout:
             return f"attention_dropout={config.attention_dropout}"
-        implementation = (config._attn_implementation if config is not None else None) or "eager"
+        implementation = _attn_implementation(config)
         if implementation not in SUPPORTED_ATTENTION:
             return f"attn_implementation={implementation!r} (fused attention reads sdpa/eager masks)"
         if module.head_dim % 2:
             return f"odd head_dim={module.head_dim}"
         return None
 
+    def _takes_hf_path(self, hidden_states: Tensor, attention_mask, past_key_values, kwargs: dict) -> bool:
+        if kwargs.get("output_attentions", self.config.output_attentions):
+            return True  # the kernel keeps no attention weights
+        if _attn_implementation(self.config) not in SUPPORTED_ATTENTION:
+            return True  # set_attn_implementation() after patching
+        seq = hidden_states.shape[-2]
+        if attention_mask is not None and (
+            not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape[-2:]) != (seq, seq)
+        ):
+            return True  # a mask the kernel cannot read, or keys beyond this call's tokens
+        if past_key_values is not None and (
+            # A static cache's length is data (how many slots are filled): never branch on it.
+            past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) > 0
+        ):
+            return True
+        return not _fusable(hidden_states, self.q_norm.weight, self.k_norm.weight)
+
 
 class FusedSwiGLU:
     """HF's gated MLP ``down(silu(gate(x)) * up(x))`` (``hyperparallel::swiglu_mlp``)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return _ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if not _fusable(x, *weights):
+            return super().forward(x)
+        return _ops.swiglu_mlp(x, *weights)
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
-        if module.config.hidden_act != "silu":
+        if module.config.hidden_act not in SILU:
             return f"hidden_act={module.config.hidden_act!r}"
         if any(p.bias is not None for p in (module.gate_proj, module.up_proj, module.down_proj)):
             return "biased projections"
@@ -136,6 +198,8 @@ class FusedRouter:
     """Router logits, float32 softmax, top-k and renormalisation (``hyperparallel::moe_router``)."""
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if not _fusable(hidden_states, self.weight):
+            return super().forward(hidden_states)
         flat = hidden_states.reshape(-1, self.hidden_dim)
         return _ops.moe_router(flat, self.weight, self.top_k, self.norm_topk_prob)
 
@@ -145,14 +209,18 @@ class FusedRouter:
 
 
 class FusedExperts:
-    """Grouped expert GEMMs on tokens sorted by expert (``hyperparallel::moe_experts``)."""
+    """Grouped expert GEMMs on tokens sorted by expert (``hyperparallel::moe_experts``).
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return _ops.moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    HF's experts dispatch on ``config._experts_implementation``; the kernel is
+    registered there as ``"hyperparallel"`` (:func:`experts_forward`), which
+    patch() selects. ``model.set_experts_implementation("grouped_mm")`` (or
+    ``"eager"``, ...) runs HF's implementation again, and
+    ``set_experts_implementation("hyperparallel")`` the kernel.
+    """
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
-        if module.config.hidden_act != "silu":
+        if module.config.hidden_act not in SILU:
             return f"hidden_act={module.config.hidden_act!r}"
         layout = {
             "has_gate": True,
@@ -166,6 +234,26 @@ class FusedExperts:
             if getattr(module, name, expected) != expected:
                 return f"experts with {name}={not expected}"
         return None
+
+
+def experts_forward(
+    module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """The experts implementation ``"hyperparallel"``: the fused kernel on patched experts.
+
+    Experts that patch() did not swap (a model built later from a patched
+    model's config object) and dtypes other than float32/bfloat16 run HF's
+    eager loop over experts, the reference the kernel reproduces.
+    """
+    if isinstance(module, FusedExperts) and _fusable(hidden_states, module.gate_up_proj, module.down_proj):
+        return _ops.moe_experts(
+            hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights
+        )
+    # HF's use_experts_implementation wraps the eager forward in its dispatcher (functools.wraps).
+    return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
+
+
+ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
 class FusedQwen3RMSNorm(FusedRMSNorm, qwen3.Qwen3RMSNorm):
@@ -207,6 +295,11 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
     as the checkpoint's architecture.
     """
 
+    # HF lets set_experts_implementation() change a model's config only when the
+    # model class's source file uses @use_experts_implementation (a heuristic
+    # whose result it caches here); this file's experts do dispatch on it.
+    _can_set_experts_implementation_cached_value = True
+
     @can_return_tuple
     def forward(
         self,
@@ -238,7 +331,12 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         aux_loss = None
         if output_router_logits:
             router_logits = torch.stack(outputs.router_logits)
-            aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
+            if _fusable(router_logits):
+                aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
+            else:
+                aux_loss = qwen3_moe.load_balancing_loss_func(
+                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+                )
             if loss is not None:
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(

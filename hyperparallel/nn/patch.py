@@ -3,17 +3,40 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 
 import transformers
 from torch import nn
 
-from hyperparallel.nn.modules import FUSED, SUPPORTED_MODELS
+from hyperparallel.nn.modules import EXPERTS_IMPLEMENTATION, FUSED, SUPPORTED_MODELS, FusedExperts
 
 # The transformers release whose modeling code the fused modules reproduce.
 TRANSFORMERS_VERSION = "5.23.0"
 
 
-def patch(model: nn.Module) -> dict[str, type[nn.Module]]:
+@dataclass
+class PatchReport:
+    """What :func:`patch` did to a model, for code that asserts on it.
+
+    Attributes:
+        replaced: ``{qualified module name: the HF class it had}`` for every
+            module now fused ("" is the model itself: Qwen3MoeForCausalLM gets
+            its load-balancing loss from a fused kernel).
+        left: ``{qualified module name: why it stays HF's}`` for every module
+            that has a fused counterpart but an option the kernels do not
+            implement (``"sliding-window attention"``, ``"hidden_act='gelu'"``, ...).
+    """
+
+    replaced: dict[str, type[nn.Module]] = field(default_factory=dict)
+    left: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"hp.nn.patch: {len(self.replaced)} modules fused, {len(self.left)} left as HF's"]
+        lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.left.items()]
+        return "\n".join(lines)
+
+
+def patch(model: nn.Module) -> PatchReport:
     """Replace the RMSNorms, attention, MLPs and MoE router/experts of ``model`` with fused modules.
 
     Works in place by changing each module's class to a subclass that
@@ -21,16 +44,18 @@ def patch(model: nn.Module) -> dict[str, type[nn.Module]]:
     keys, hooks and the decoder layers themselves are untouched, so
     ``from_pretrained`` checkpoints and later FSDP wrapping see the same model.
     A module with an option the fused kernels do not implement (sliding-window
-    or dropout attention, a non-SiLU MLP, ...) is left as it is, with a warning.
+    or dropout attention, a non-SiLU MLP, ...) is left as it is; the report
+    says which and why, and one warning lists them. When experts are fused,
+    the model's experts implementation becomes ``"hyperparallel"``
+    (``model.set_experts_implementation("grouped_mm")`` goes back to HF's).
 
     Args:
         model: a ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or their base
             ``Qwen3Model`` / ``Qwen3MoeModel`` from transformers 5.x.
 
     Returns:
-        ``{qualified module name: the HF class it had}`` for every module
-        replaced ("" is the model itself: Qwen3MoeForCausalLM gets its
-        load-balancing loss from a fused kernel). Patching twice replaces nothing.
+        A :class:`PatchReport`: the modules replaced and the modules left with
+        their reasons. Patching twice replaces nothing.
 
     Raises:
         TypeError: ``model`` is not one of the supported models.
@@ -42,8 +67,9 @@ def patch(model: nn.Module) -> dict[str, type[nn.Module]]:
 
         config = AutoConfig.from_pretrained("../shared/bench/qwen3-moe-small.config.json")
         model = AutoModelForCausalLM.from_config(config)
-        replaced = hpnn.patch(model)
-        print(len(replaced), replaced["model.norm"].__name__)  # ... Qwen3MoeRMSNorm
+        report = hpnn.patch(model)
+        assert not report.left
+        print(len(report.replaced), report.replaced["model.norm"].__name__)  # ... Qwen3MoeRMSNorm
     """
     if not isinstance(model, SUPPORTED_MODELS):
         names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
@@ -54,17 +80,23 @@ def patch(model: nn.Module) -> dict[str, type[nn.Module]]:
             f"found {transformers.__version__}",
             stacklevel=2,
         )
-    replaced: dict[str, type[nn.Module]] = {}
+    report = PatchReport()
     for name, module in model.named_modules():
         fused = FUSED.get(type(module))
         if fused is None:
             continue
         reason = fused.unsupported(module)
         if reason is not None:
-            warnings.warn(
-                f"hp.nn.patch left {name} ({type(module).__name__}) unpatched: {reason}", stacklevel=2
-            )
+            report.left[name] = reason
             continue
-        replaced[name] = type(module)
+        report.replaced[name] = type(module)
         module.__class__ = fused
-    return replaced
+    if any(issubclass(FUSED[cls], FusedExperts) for cls in report.replaced.values()):
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    if report.left:
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in report.left.items():
+            by_reason.setdefault(reason, []).append(name)
+        listed = "; ".join(f"{reason}: {', '.join(names)}" for reason, names in by_reason.items())
+        warnings.warn(f"hp.nn.patch left {len(report.left)} modules as HF's ({listed})", stacklevel=2)
+    return report

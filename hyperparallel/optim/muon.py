@@ -71,7 +71,19 @@ class Muon(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
         }
+        # torch.optim.Muon checks its options before its parameters: the same bad
+        # input raises the same exception type as there.
+        _check_options(defaults)
         super().__init__(params, defaults)  # checks each group through add_param_group
+        self._reset_plan()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and pickle carry torch's state (param groups, momentum), not
+        # the C++ plan: the copy builds its own at its first step.
+        super().__setstate__(state)
+        self._reset_plan()
+
+    def _reset_plan(self) -> None:
         self._plan: _C.Muon | None = None
         self._plan_key: tuple = ()  # ids of the planned parameters, with their Newton–Schulz options
         self._plan_params: list[torch.Tensor] = []  # held, so that no other tensor takes one of those ids
@@ -170,6 +182,18 @@ def reset_stats() -> None:
 
 def _check_group(group: dict[str, Any]) -> None:
     """torch.optim.Muon's argument checks, for every group (add_param_group included)."""
+    _check_options(group)
+    for p in group["params"]:
+        if p.ndim not in (2, 3):
+            raise ValueError(
+                f"hp.optim.Muon takes matrices (2-D) and stacks of expert matrices (3-D), got a parameter of "
+                f"size {tuple(p.shape)}; give biases, norms and embeddings to AdamW "
+                "(hp.optim.muon_param_split does the usual split)"
+            )
+
+
+def _check_options(group: dict[str, Any]) -> None:
+    """A group's option checks, in torch.optim.Muon's order (lr, momentum, weight_decay, adjust_lr_fn)."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"hp.optim.Muon: a tensor lr must have one element, got shape {tuple(lr.shape)}")
@@ -187,13 +211,6 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(
             f"hp.optim.Muon: ns_coefficients must be three numbers (a, b, c), got {group['ns_coefficients']}"
         )
-    for p in group["params"]:
-        if p.ndim not in (2, 3):
-            raise ValueError(
-                f"hp.optim.Muon takes matrices (2-D) and stacks of expert matrices (3-D), got a parameter of "
-                f"size {tuple(p.shape)}; give biases, norms and embeddings to AdamW "
-                "(hp.optim.muon_param_split does the usual split)"
-            )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

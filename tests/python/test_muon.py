@@ -1,6 +1,8 @@
 """hp.optim.Muon in one process against torch.optim.Muon (torch 2.13), and its building blocks."""
 
+import copy
 import os
+import pickle
 import subprocess
 import sys
 
@@ -104,6 +106,43 @@ def test_param_groups_state_dict_and_zero_grad():
     resumed = hpo.Muon(groups(ours))
     resumed.load_state_dict(state)
     _step_both(range(5, 10), theirs, ours, reference, resumed)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_steps_as_torch_muon_does(how):
+    """deepcopy and pickle carry torch's state (groups, momentum), not the C++ plan: the copy builds its own."""
+    theirs, ours = _params(SHAPES, 7), _params(SHAPES, 7)
+    reference, optimizer = torch.optim.Muon(theirs, lr=2e-3), hpo.Muon(ours, lr=2e-3)
+    _step_both(range(3), theirs, ours, reference, optimizer)
+    if how == "deepcopy":
+        reference_copy, copied = copy.deepcopy(reference), copy.deepcopy(optimizer)
+    else:
+        reference_copy, copied = pickle.loads(pickle.dumps(reference)), pickle.loads(pickle.dumps(optimizer))
+    theirs_copy, ours_copy = reference_copy.param_groups[0]["params"], copied.param_groups[0]["params"]
+    _step_both(range(3, 6), theirs_copy, ours_copy, reference_copy, copied)
+    _step_both(range(3, 6), theirs, ours, reference, optimizer)  # the original keeps its plan and steps on
+
+
+@pytest.mark.parametrize(
+    "params,kwargs",
+    [
+        (None, {"lr": torch.tensor([1e-3, 1e-3])}),
+        (None, {"lr": -1.0}),
+        (None, {"momentum": -0.5}),
+        (None, {"weight_decay": -0.1}),
+        (None, {"adjust_lr_fn": "sqrt"}),
+        (None, {}),
+        ([], {}),
+        ([nn.Parameter(torch.zeros(4))], {"lr": -1.0}),
+    ],
+)
+def test_bad_arguments_raise_what_torch_muon_raises(params, kwargs):
+    """torch checks the options before the parameters; the same bad input gets the same exception type."""
+    with pytest.raises(Exception) as theirs:
+        torch.optim.Muon(params, **kwargs)
+    with pytest.raises(Exception) as ours:
+        hpo.Muon(params, **kwargs)
+    assert type(ours.value) is type(theirs.value), f"torch: {theirs.value!r}; hp: {ours.value!r}"
 
 
 def test_same_shape_matrices_share_one_newton_schulz_call():

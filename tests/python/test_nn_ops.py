@@ -53,11 +53,14 @@ def randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> torch.nn.
 
 
 def fused_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy with every module that has a fused counterpart swapped for it, as hp.nn.patch does."""
+    """A copy with every module that has a fused counterpart swapped for it, and the fused experts
+    selected as the experts implementation, as hp.nn.patch does."""
     fused = copy.deepcopy(module)
     for sub in fused.modules():
         if type(sub) in hpnn.modules.FUSED:
             sub.__class__ = hpnn.modules.FUSED[type(sub)]
+        if isinstance(sub, hpnn.modules.FusedExperts):
+            sub.config._experts_implementation = hpnn.modules.EXPERTS_IMPLEMENTATION
     return fused
 
 

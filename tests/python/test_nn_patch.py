@@ -22,6 +22,11 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.cache_utils import DynamicCache
+from transformers.generation.configuration_utils import CompileConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 import hyperparallel.nn as hpnn
 
@@ -197,10 +202,12 @@ def test_patch_keeps_parameters_names_and_state_dict():
     )
     before = dict(model.named_parameters())
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    replaced = hpnn.patch(model)
+    report = hpnn.patch(model)
     assert dict(model.named_parameters()) == before  # the same Parameter objects under the same names
     assert {k: v.shape for k, v in model.state_dict().items()} == shapes
     layer = model.model.layers[1]
+    replaced = report.replaced
+    assert report.left == {}
     assert replaced[""].__name__ == "Qwen3MoeForCausalLM"
     assert replaced["model.layers.0.mlp"].__name__ == "Qwen3MoeMLP"
     assert replaced["model.layers.1.mlp.experts"].__name__ == "Qwen3MoeExperts"
@@ -209,7 +216,7 @@ def test_patch_keeps_parameters_names_and_state_dict():
     assert replaced["model.norm"].__name__ == "Qwen3MoeRMSNorm"
     assert isinstance(layer.self_attn, replaced["model.layers.1.self_attn"])  # still an HF module
     assert type(layer).__name__ == "Qwen3MoeDecoderLayer"  # decoder layers stay for FSDP
-    assert hpnn.patch(model) == {}
+    assert hpnn.patch(model) == hpnn.PatchReport()  # patching twice replaces nothing
 
 
 def test_unknown_model_raises():
@@ -234,9 +241,11 @@ def test_sliding_window_attention_is_left_unpatched_with_a_warning():
     )
     model, _ = build(config, seed=5, patch=False)
     fused = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match=r"model.layers.1.self_attn .* sliding-window"):
-        replaced = hpnn.patch(fused)
-    assert "model.layers.0.self_attn" in replaced and "model.layers.1.self_attn" not in replaced
+    left = r"left 1 modules as HF's \(sliding-window attention: model.layers.1.self_attn\)"
+    with pytest.warns(UserWarning, match=left):
+        report = hpnn.patch(fused)
+    assert "model.layers.0.self_attn" in report.replaced
+    assert report.left == {"model.layers.1.self_attn": "sliding-window attention"}
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
     assert_model_parity(model, fused, ids, aux_options=(None,))
 
@@ -246,8 +255,10 @@ def test_unsupported_attention_implementation_is_left_unpatched():
     config._attn_implementation = "flex_attention"
     model = AutoModelForCausalLM.from_config(config)
     with pytest.warns(UserWarning, match="flex_attention"):
-        replaced = hpnn.patch(model)
-    assert not any(name.endswith("self_attn") for name in replaced)
+        report = hpnn.patch(model)
+    assert not any(name.endswith("self_attn") for name in report.replaced)
+    reason = "attn_implementation='flex_attention' (fused attention reads sdpa/eager masks)"
+    assert report.left == {f"model.layers.{i}.self_attn": reason for i in range(2)}
 
 
 def test_parameters_replaced_after_patching_are_used():
@@ -301,8 +312,11 @@ def test_torch_compile_matches_eager():
     )
     _, fused = build(config, seed=9)
     compiled_model = copy.deepcopy(fused)
-    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=False)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(6))
+    # HF installs the hooks that collect router logits on first use, under a lock dynamo cannot
+    # trace (unpatched models too): one eager call installs them before the fullgraph compile.
+    compiled_model(input_ids=ids[:, :2], output_router_logits=True, use_cache=False)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     (eager, eager_grads), (comp, comp_grads) = (
         forward_backward(m, ids, output_router_logits=True, use_cache=False) for m in (fused, compiled)
     )
@@ -323,3 +337,213 @@ def test_save_and_from_pretrained_round_trip(tmp_path):
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, **STRICT)
+
+
+def test_attention_weights_come_from_hf_when_the_config_asks():
+    """config.output_attentions = True (no keyword) returns HF's attention weights; the keyword still wins."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    config._attn_implementation = "eager"
+    model, fused = build(config, seed=12)
+    for m in (model, fused):
+        m.config.output_attentions = True
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref, got = (m(input_ids=ids) for m in (model, fused))
+        without = fused(input_ids=ids, output_attentions=False)
+    assert got.attentions is not None
+    assert len(got.attentions) == len(ref.attentions) == config.num_hidden_layers
+    for a, b in zip(got.attentions, ref.attentions):
+        assert_close(a, b, **STRICT)
+    assert without.attentions is None
+    assert_close(without.logits, ref.logits, **STRICT)
+
+
+STATIC_GREEDY = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
+
+
+def _graph_recorder(graphs: list):
+    """A torch.compile backend that keeps each FX graph's call targets and runs the graph as traced."""
+
+    def backend(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return gm.forward
+
+    return backend
+
+
+def test_fullgraph_compile_without_and_with_a_cache():
+    """torch.compile(forward, fullgraph=True): no cache, a dynamic cache (prefill + decoding), and HF's
+    generate with a static cache and a fullgraph compile config; each matches the eager HF model."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=14)
+    model.eval(), fused.eval()
+    graphs: list = []
+    compiled = torch.compile(fused.forward, fullgraph=True, backend=_graph_recorder(graphs))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        assert_close(compiled(input_ids=ids, use_cache=False).logits, model(input_ids=ids).logits, **STRICT)
+        assert "hyperparallel.attention" in graphs[-1] and "hyperparallel.moe_experts" in graphs[-1]
+
+        ref_cache, cache = DynamicCache(config=model.config), DynamicCache(config=fused.config)
+        step = ids
+        for _ in range(3):  # the prefill runs the kernel; decoding steps read the cache with HF's attention
+            ref = model(input_ids=step, past_key_values=ref_cache, use_cache=True)
+            got = compiled(input_ids=step, past_key_values=cache, use_cache=True)
+            assert_close(got.logits, ref.logits, **STRICT)
+            step = ref.logits[:, -1:].argmax(-1)
+        for a, b in zip(cache.layers, ref_cache.layers):
+            assert_close(a.keys, b.keys, **STRICT)
+
+    # HF compiles the forward for static caches on accelerators only, unless asked for every device.
+    compile_config = CompileConfig(fullgraph=True, backend=_graph_recorder(graphs), mode=None)
+    compile_config._compile_all_devices = True
+    prompt = ids[:, :5]
+    graphs.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(prompt, **STATIC_GREEDY)
+        tokens = fused.generate(prompt, **STATIC_GREEDY, compile_config=compile_config)
+    assert graphs and all("hyperparallel.rms_norm" in graph for graph in graphs), "no fused forward compiled"
+    assert torch.equal(tokens, expected)
+
+
+def _ran_kernel(model, ids, op: str) -> tuple[torch.Tensor, bool]:
+    """The model's logits, and whether the forward ran torch.ops.hyperparallel.<op> (per the profiler)."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(input_ids=ids).logits
+    return logits, any(event.name == f"hyperparallel::{op}" for event in prof.events())
+
+
+def test_attention_implementation_set_after_patching_runs_hf():
+    """An implementation chosen after patch() (here sdpa under another registered name) is HF's to run."""
+    calls = []
+
+    def counted_sdpa(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("counted_sdpa", counted_sdpa)
+    AttentionMaskInterface.register("counted_sdpa", sdpa_mask)
+    config = make_config("dense", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model, fused = build(config, seed=16)
+    fused.set_attn_implementation("counted_sdpa")
+    ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(13))
+    got, kernel = _ran_kernel(fused, ids, "attention")
+    assert not kernel and len(calls) == config.num_hidden_layers
+    assert_close(got, model(input_ids=ids).logits, **STRICT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_other_dtypes_run_hf_modules_with_one_warning(dtype):
+    """A dtype the kernels do not compute runs HF's modules, bit for bit, and warns once; it never raises."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, _ = build(config, seed=13, patch=False)
+    model = model.to(dtype)
+    model.set_experts_implementation("eager")  # the experts' fallback is HF's reference loop
+    fused = copy.deepcopy(model)
+    hpnn.modules._warned_dtypes.clear()  # earlier tests in this process may have warned already
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hpnn.patch(fused)
+        (got, got_grads), _ = (forward_backward(fused, ids, output_router_logits=True) for _ in range(2))
+        prompt = ids[:, :5]
+        tokens = fused.generate(prompt, **STATIC_GREEDY)
+    ours = [str(w.message) for w in caught if "hp.nn" in str(w.message)]
+    assert len(ours) == 1 and str(dtype).removeprefix("torch.") in ours[0], ours
+    ref, ref_grads = forward_backward(model, ids, output_router_logits=True)
+    assert got.logits.dtype == dtype
+    assert torch.equal(got.logits, ref.logits)
+    assert torch.equal(got.loss, ref.loss) and torch.equal(got.aux_loss, ref.aux_loss)
+    for name in ref_grads:
+        assert torch.equal(got_grads[name], ref_grads[name]), name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(prompt, **STATIC_GREEDY)
+    assert torch.equal(tokens, expected)
+
+
+def test_set_experts_implementation_routes_to_hf_and_back():
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=15)
+    assert fused.config._experts_implementation == hpnn.modules.EXPERTS_IMPLEMENTATION
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(12))
+    logits, kernel = _ran_kernel(fused, ids, "moe_experts")
+    assert kernel
+    for implementation in ("eager", "grouped_mm"):
+        for m in (model, fused):
+            m.set_experts_implementation(implementation)
+        assert fused.config._experts_implementation == implementation
+        got, kernel = _ran_kernel(fused, ids, "moe_experts")
+        assert not kernel, implementation
+        assert_close(got, model(input_ids=ids).logits, **STRICT)
+    fused.set_experts_implementation(hpnn.modules.EXPERTS_IMPLEMENTATION)
+    got, kernel = _ran_kernel(fused, ids, "moe_experts")
+    assert kernel and torch.equal(got, logits)
+
+
+def test_patch_reports_what_it_left_and_why():
+    """Non-SiLU MLPs and experts and sliding-window layers stay HF's; the report names each, with why.
+    "swish" is ACT2FN's other name for SiLU, so its MLPs are fused."""
+    moe_config = make_config(
+        "moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        hidden_act="gelu",
+    )
+    dense_config = make_config(
+        "dense",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="gelu_pytorch_tanh",
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    swish_config = make_config(
+        "dense", num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="swish"
+    )
+    expected = {
+        "moe": {
+            "model.layers.0.mlp": "hidden_act='gelu'",
+            "model.layers.1.mlp.experts": "hidden_act='gelu'",
+        },
+        "dense": {
+            "model.layers.0.mlp": "hidden_act='gelu_pytorch_tanh'",
+            "model.layers.1.self_attn": "sliding-window attention",
+            "model.layers.1.mlp": "hidden_act='gelu_pytorch_tanh'",
+        },
+        "swish": {},
+    }
+    for kind, config in (("moe", moe_config), ("dense", dense_config), ("swish", swish_config)):
+        model, _ = build(config, seed=17, patch=False)
+        fused = copy.deepcopy(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = hpnn.patch(fused)
+        left_warnings = [w for w in caught if "hp.nn.patch left" in str(w.message)]
+        assert len(left_warnings) == (1 if expected[kind] else 0)
+        assert report.left == expected[kind]
+        assert not set(report.left) & set(report.replaced)
+        assert "model.layers.1.input_layernorm" in report.replaced and "model.norm" in report.replaced
+        assert ("model.layers.0.mlp" in report.replaced) == (kind == "swish")
+        for name, reason in report.left.items():
+            assert f"{name}: {reason}" in str(report)
+        if kind == "moe":  # experts left as HF's keep HF's experts implementation
+            assert fused.config._experts_implementation != hpnn.modules.EXPERTS_IMPLEMENTATION
+        ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(14))
+        aux = (False, True) if kind == "moe" else (None,)
+        assert_model_parity(model, fused, ids, aux_options=aux)
