@@ -61,11 +61,9 @@ float dot(const float* a, const float* b, int64_t n) {
   return hsum(acc);
 }
 
-// Softmax of n floats in place; returns the log-sum-exp.
-HP_INL float softmax_inplace(float* p, int64_t n) {
-  vf mx = splat(-kInf);
-  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA { mx = vmax(mx, load(p + i, m, -kInf)); });
-  const float top = hmax(mx);
+// p <- exp(p - top) / their sum, for n floats whose largest is top (finite);
+// returns the log-sum-exp.
+HP_INL float exp_normalize(float* p, int64_t n, float top) {
   vf acc = {};
   for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA {
     const vf e = vexp(load(p + i, m, -kInf) - top);
@@ -76,6 +74,13 @@ HP_INL float softmax_inplace(float* p, int64_t n) {
   const float inv = 1.0f / sum;
   for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA { store(p + i, load(p + i, m) * inv, m); });
   return top + std::log(sum);
+}
+
+// Softmax of n floats in place; returns the log-sum-exp.
+HP_INL float softmax_inplace(float* p, int64_t n) {
+  vf mx = splat(-kInf);
+  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA { mx = vmax(mx, load(p + i, m, -kInf)); });
+  return exp_normalize(p, n, hmax(mx));
 }
 
 // The k largest of p[0, n) in descending order, the lower index first among
@@ -232,17 +237,9 @@ float softmax_row(float* s, int64_t n_valid, int64_t n_total, float scale, const
     zero(s, n_total);
     return kInf;
   }
-  vf acc = {};
-  for_chunks(n_valid, [&](int64_t i, int64_t m) HP_LAMBDA {
-    const vf e = vexp(load(s + i, m, -kInf) - top);
-    store(s + i, e, m);
-    acc += e;
-  });
-  const float sum = hsum(acc);
-  const float inv = 1.0f / sum;
-  for_chunks(n_valid, [&](int64_t i, int64_t m) HP_LAMBDA { store(s + i, load(s + i, m) * inv, m); });
+  const float lse = exp_normalize(s, n_valid, top);
   zero(s + n_valid, n_total - n_valid);
-  return top + std::log(sum);
+  return lse;
 }
 
 void softmax_backward_row(float* s, float* dp, int64_t n_valid, int64_t n_total, float scale, const float* add,
