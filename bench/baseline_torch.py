@@ -38,26 +38,18 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 # isort: split
 # bench/ is not a package: its scripts run from it and import their shared helpers directly.
-from _bench_common import (
-    REFERENCE_SYSTEM,
-    OptimHparams,
-    RankResult,
+from _optim import OptimHparams, as_matrices, optimizers
+from _reference import REFERENCE_SYSTEM, run_reference
+from _spec import (
     RunSpec,
-    StepTimer,
     SyntheticTokens,
     add_run_args,
-    as_matrices,
     build_model,
-    max_abs_diff,
-    peak_rss_bytes,
-    run_reference,
     run_spec_from_args,
     spawn_ranks,
-    split_params,
-    summarize,
-    train_steps,
     weights_fingerprint,
 )
+from _timing import RankResult, StepTimer, max_abs_diff, peak_rss_bytes, summarize, train_steps
 
 SYSTEM = "torch-fsdp2-muon"
 # Default loss tolerance for --check-single (the brief's ~1e-5 on fp32 losses around 8).
@@ -115,7 +107,7 @@ class GatheredMuon(torch.optim.Optimizer):
     ``_zeropower_via_newtonschulz`` orthogonalises each of its matrices -- all experts of a 3-D
     tensor, as a generic FSDP2 Muon does, although this rank keeps only its own experts' rows --
     and the rank applies its rows with torch's decoupled weight decay and ``_adjust_lr`` of the
-    matrix shape. Numerically this is :class:`_bench_common.MatrixMuon` on the full tensors.
+    matrix shape. Numerically this is :class:`_reference.MatrixMuon` on the full tensors.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], hparams: OptimHparams, timer: StepTimer) -> None:
@@ -193,12 +185,12 @@ def _baseline_rank(
         _shard(model, world_size, reshard_after_forward)
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
-        muon_params, adamw_params = split_params(model.named_parameters())
+        muon, adamw = optimizers(model, hparams, lambda params: GatheredMuon(params, hparams, timer))
         tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
         records = train_steps(
             model,
-            GatheredMuon(muon_params, hparams, timer),
-            hparams.make_adamw(adamw_params),
+            muon,
+            adamw,
             lambda step: [tokens.batch(step, spec, rank)],
             spec.steps,
             hparams,

@@ -23,22 +23,16 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from _bench_common import (
-    OptimHparams,
-    RankResult,
-    StepTimer,
+from _optim import OptimHparams, optimizers
+from _spec import (
     SyntheticTokens,
     add_run_args,
     build_model,
-    max_abs_diff,
-    peak_rss_bytes,
     run_spec_from_args,
     spawn_ranks,
-    split_params,
-    summarize,
-    train_steps,
     weights_fingerprint,
 )
+from _timing import RankResult, StepTimer, max_abs_diff, peak_rss_bytes, summarize, train_steps
 from baseline_torch import run_baseline
 
 import hyperparallel as hp
@@ -54,12 +48,12 @@ def _hp_rank(rank: int, world_size: int, spec, hparams: OptimHparams) -> RankRes
     for layer in model.model.layers:
         hp.fully_shard(layer)
     hp.fully_shard(model)
-    muon_params, adamw_params = split_params(model.named_parameters())
+    muon, adamw = optimizers(model, hparams, lambda params: hp.optim.Muon(params, **hparams.muon_defaults()))
     tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
     records = train_steps(
         model,
-        hp.optim.Muon(muon_params, **hparams.muon_defaults()),
-        hparams.make_adamw(adamw_params),
+        muon,
+        adamw,
         lambda step: [tokens.batch(step, spec, rank)],
         spec.steps,
         hparams,
