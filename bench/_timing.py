@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from _optim import OptimHparams, set_lr
-from _spec import SKIP_STEPS, RunSpec, config_name
+from _spec import SKIP_STEPS, RunSpec, SyntheticTokens, config_name
 from torch import nn
 
 PHASES = ("forward", "backward", "optimizer")
@@ -144,6 +145,32 @@ def train_steps(
                 optimizer.zero_grad(set_to_none=True)
         records.append(timer.end_step(statistics.fmean(losses)))
     return records
+
+
+def train_rank(
+    model: nn.Module,
+    muon_optimizer: torch.optim.Optimizer,
+    adamw_optimizer: torch.optim.Optimizer,
+    spec: RunSpec,
+    hparams: OptimHparams,
+    timer: StepTimer,
+    fingerprint: str,
+) -> RankResult:
+    """This data-parallel rank's run of ``spec``: its micro-batch of every step, every rank starting
+    each step together; its records, peak RSS and the initial weights' fingerprint."""
+    rank = dist.get_rank()
+    tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
+    records = train_steps(
+        model,
+        muon_optimizer,
+        adamw_optimizer,
+        lambda step: [tokens.batch(step, spec, rank)],
+        spec.steps,
+        hparams,
+        timer,
+        sync=dist.barrier,
+    )
+    return RankResult(records, peak_rss_bytes(), fingerprint)
 
 
 def peak_rss_bytes() -> int:

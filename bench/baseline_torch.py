@@ -42,14 +42,13 @@ from _optim import OptimHparams, as_matrices, optimizers
 from _reference import REFERENCE_SYSTEM, run_reference
 from _spec import (
     RunSpec,
-    SyntheticTokens,
     add_run_args,
     build_model,
     run_spec_from_args,
     spawn_ranks,
     weights_fingerprint,
 )
-from _timing import RankResult, StepTimer, max_abs_diff, peak_rss_bytes, summarize, train_steps
+from _timing import RankResult, StepTimer, max_abs_diff, summarize, train_rank
 
 SYSTEM = "torch-fsdp2-muon"
 # Default loss tolerance for --check-single (the brief's ~1e-5 on fp32 losses around 8).
@@ -186,18 +185,7 @@ def _baseline_rank(
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
         muon, adamw = optimizers(model, hparams, lambda params: GatheredMuon(params, hparams, timer))
-        tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
-        records = train_steps(
-            model,
-            muon,
-            adamw,
-            lambda step: [tokens.batch(step, spec, rank)],
-            spec.steps,
-            hparams,
-            timer,
-            sync=dist.barrier,
-        )
-        return RankResult(records, peak_rss_bytes(), fingerprint)
+        return train_rank(model, muon, adamw, spec, hparams, timer, fingerprint)
     finally:
         dist.destroy_process_group()
 

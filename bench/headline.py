@@ -22,17 +22,15 @@ import json
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
 from _optim import OptimHparams, optimizers
 from _spec import (
-    SyntheticTokens,
     add_run_args,
     build_model,
     run_spec_from_args,
     spawn_ranks,
     weights_fingerprint,
 )
-from _timing import RankResult, StepTimer, max_abs_diff, peak_rss_bytes, summarize, train_steps
+from _timing import RankResult, StepTimer, max_abs_diff, summarize, train_rank
 from baseline_torch import run_baseline
 
 import hyperparallel as hp
@@ -49,18 +47,7 @@ def _hp_rank(rank: int, world_size: int, spec, hparams: OptimHparams) -> RankRes
         hp.fully_shard(layer)
     hp.fully_shard(model)
     muon, adamw = optimizers(model, hparams, lambda params: hp.optim.Muon(params, **hparams.muon_defaults()))
-    tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
-    records = train_steps(
-        model,
-        muon,
-        adamw,
-        lambda step: [tokens.batch(step, spec, rank)],
-        spec.steps,
-        hparams,
-        StepTimer(waits=hp.fsdp.comm_wait_seconds),
-        sync=dist.barrier,
-    )
-    return RankResult(records, peak_rss_bytes(), fingerprint)
+    return train_rank(model, muon, adamw, spec, hparams, StepTimer(waits=hp.fsdp.comm_wait_seconds), fingerprint)
 
 
 def run_hp(spec, hparams: OptimHparams | None = None) -> dict:

@@ -12,14 +12,15 @@ namespace kernels {
 
 // The kernels of the tier simd::isa() chose.
 struct Table {
-  decltype(&baseline::reduce_f32) f32;
-  decltype(&baseline::reduce_bf16<simd::bf16>) bf16;
-  decltype(&baseline::reduce_bf16<float>) bf16_to_f32;
+  decltype(&baseline::reduce_rows<float, float>) f32;
+  decltype(&baseline::reduce_rows<simd::bf16, simd::bf16>) bf16;
+  decltype(&baseline::reduce_rows<simd::bf16, float>) bf16_to_f32;
 };
 
 const Table& table() {
-  static const Table chosen{HP_SIMD_PICK(kernels, reduce_f32), HP_SIMD_PICK(kernels, reduce_bf16<simd::bf16>),
-                            HP_SIMD_PICK(kernels, reduce_bf16<float>)};
+  static const Table chosen{HP_SIMD_PICK(kernels, reduce_rows<float, float>),
+                            HP_SIMD_PICK(kernels, reduce_rows<simd::bf16, simd::bf16>),
+                            HP_SIMD_PICK(kernels, reduce_rows<simd::bf16, float>)};
   return chosen;
 }
 

@@ -38,9 +38,11 @@
 #define HP_SIMD_PRAGMA(text) _Pragma(#text)
 #define HP_SIMD_PRAGMA_TARGET(features) HP_SIMD_PRAGMA(GCC target(features))
 #if defined(__x86_64__)
-#define HP_SIMD_PICK(space, symbol) ::hp::simd::pick(space::avx512::symbol, space::avx2::symbol, space::baseline::symbol)
+// Variadic: a template's arguments may hold commas.
+#define HP_SIMD_PICK(space, ...) \
+  ::hp::simd::pick(space::avx512::__VA_ARGS__, space::avx2::__VA_ARGS__, space::baseline::__VA_ARGS__)
 #else
-#define HP_SIMD_PICK(space, symbol) (space::baseline::symbol)
+#define HP_SIMD_PICK(space, ...) (space::baseline::__VA_ARGS__)
 #endif
 #endif
 

@@ -11,18 +11,12 @@
 #define HP_SIMD_NAMESPACE hp::simd::tiers
 #include "simd/foreach_isa.h"
 
+#include "bf16_reference.h"
+
 using namespace hp::simd;
+using hp::testing::to_bf16_reference;
 
 namespace {
-
-uint16_t to_bf16_reference(float value) {  // round to nearest even, by hand; c10's one quiet NaN
-  if (std::isnan(value)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  uint32_t lower = bits & 0xffff, upper = bits >> 16;
-  if (lower > 0x8000 || (lower == 0x8000 && (upper & 1))) ++upper;
-  return uint16_t(upper);
-}
 
 float from_bits(uint32_t bits) {
   float value;
