@@ -55,46 +55,35 @@ SYSTEM = "torch-fsdp2-muon"
 CHECK_TOL = 1e-5
 
 
-class TimedAllGather(DefaultAllGather):
-    """FSDP2's default all-gather, with the time the caller spends in it charged to ``timer``.
+class _Timed:
+    """Charges the time the caller spends in an FSDP2 collective to ``timer``, as ``kind``.
 
     On CPU FSDP2 issues its collectives synchronously (``async_op=False``; its streams are no-ops
     on CPU), so the time inside the call is the time the rank waits on communication, including
     waiting for the slower rank to arrive.
     """
 
-    def __init__(self, timer: StepTimer) -> None:
-        super().__init__()
-        self._timer = timer
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        with self._timer.comm("fsdp_all_gather"):
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-
-
-class TimedReduceScatter(DefaultReduceScatter):
-    """FSDP2's default gradient reduce-scatter, timed like :class:`TimedAllGather`."""
+    kind: str
 
     def __init__(self, timer: StepTimer) -> None:
         super().__init__()
         self._timer = timer
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work:
-        with self._timer.comm("fsdp_reduce_scatter"):
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        with self._timer.comm(self.kind):
+            return super().__call__(*args, **kwargs)
+
+
+class TimedAllGather(_Timed, DefaultAllGather):
+    """FSDP2's default all-gather, timed."""
+
+    kind = "fsdp_all_gather"
+
+
+class TimedReduceScatter(_Timed, DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, timed."""
+
+    kind = "fsdp_reduce_scatter"
 
 
 class GatheredMuon(torch.optim.Optimizer):
