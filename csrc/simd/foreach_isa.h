@@ -1,5 +1,6 @@
-// Builds one source file once per instruction-set tier (see isa.h): the
-// only way vectorised code is compiled for a tier. At file scope:
+// Builds one source file once per instruction-set tier (see isa.h), for
+// portable vector code; code written in one tier's intrinsics takes
+// HP_SIMD_TARGET instead. Either way simd::isa() alone chooses. At file scope:
 //
 //   #define HP_SIMD_BODY "ops/kernels_isa.h"   // relative to csrc/
 //   #define HP_SIMD_NAMESPACE hp::ops::cpu
