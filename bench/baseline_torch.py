@@ -38,72 +38,52 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 # isort: split
 # bench/ is not a package: its scripts run from it and import their shared helpers directly.
-from _bench_common import (
-    REFERENCE_SYSTEM,
-    OptimHparams,
-    RankResult,
+from _optim import OptimHparams, as_matrices, optimizers
+from _reference import REFERENCE_SYSTEM, run_reference
+from _spec import (
     RunSpec,
-    StepTimer,
-    SyntheticTokens,
     add_run_args,
-    as_matrices,
     build_model,
-    max_abs_diff,
-    peak_rss_bytes,
-    run_reference,
     run_spec_from_args,
     spawn_ranks,
-    split_params,
-    summarize,
-    train_steps,
     weights_fingerprint,
 )
+from _timing import RankResult, StepTimer, max_abs_diff, summarize, train_rank
 
 SYSTEM = "torch-fsdp2-muon"
 # Default loss tolerance for --check-single (the brief's ~1e-5 on fp32 losses around 8).
 CHECK_TOL = 1e-5
 
 
-class TimedAllGather(DefaultAllGather):
-    """FSDP2's default all-gather, with the time the caller spends in it charged to ``timer``.
+class _Timed:
+    """Charges the time the caller spends in an FSDP2 collective to ``timer``, as ``kind``.
 
     On CPU FSDP2 issues its collectives synchronously (``async_op=False``; its streams are no-ops
     on CPU), so the time inside the call is the time the rank waits on communication, including
     waiting for the slower rank to arrive.
     """
 
-    def __init__(self, timer: StepTimer) -> None:
-        super().__init__()
-        self._timer = timer
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        with self._timer.comm("fsdp_all_gather"):
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-
-
-class TimedReduceScatter(DefaultReduceScatter):
-    """FSDP2's default gradient reduce-scatter, timed like :class:`TimedAllGather`."""
+    kind: str
 
     def __init__(self, timer: StepTimer) -> None:
         super().__init__()
         self._timer = timer
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work:
-        with self._timer.comm("fsdp_reduce_scatter"):
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        with self._timer.comm(self.kind):
+            return super().__call__(*args, **kwargs)
+
+
+class TimedAllGather(_Timed, DefaultAllGather):
+    """FSDP2's default all-gather, timed."""
+
+    kind = "fsdp_all_gather"
+
+
+class TimedReduceScatter(_Timed, DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, timed."""
+
+    kind = "fsdp_reduce_scatter"
 
 
 class GatheredMuon(torch.optim.Optimizer):
@@ -115,7 +95,7 @@ class GatheredMuon(torch.optim.Optimizer):
     ``_zeropower_via_newtonschulz`` orthogonalises each of its matrices -- all experts of a 3-D
     tensor, as a generic FSDP2 Muon does, although this rank keeps only its own experts' rows --
     and the rank applies its rows with torch's decoupled weight decay and ``_adjust_lr`` of the
-    matrix shape. Numerically this is :class:`_bench_common.MatrixMuon` on the full tensors.
+    matrix shape. Numerically this is :class:`_reference.MatrixMuon` on the full tensors.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], hparams: OptimHparams, timer: StepTimer) -> None:
@@ -193,19 +173,8 @@ def _baseline_rank(
         _shard(model, world_size, reshard_after_forward)
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
-        muon_params, adamw_params = split_params(model.named_parameters())
-        tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
-        records = train_steps(
-            model,
-            GatheredMuon(muon_params, hparams, timer),
-            hparams.make_adamw(adamw_params),
-            lambda step: [tokens.batch(step, spec, rank)],
-            spec.steps,
-            hparams,
-            timer,
-            sync=dist.barrier,
-        )
-        return RankResult(records, peak_rss_bytes(), fingerprint)
+        muon, adamw = optimizers(model, hparams, lambda params: GatheredMuon(params, hparams, timer))
+        return train_rank(model, muon, adamw, spec, hparams, timer, fingerprint)
     finally:
         dist.destroy_process_group()
 

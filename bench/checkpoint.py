@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _bench_common import build_model, resolve_config
+from _spec import build_model, resolve_config
 
 import hyperparallel as hp
 import hyperparallel.checkpoint

@@ -23,15 +23,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from _bench_common import (
-    SKIP_STEPS,
-    StepTimer,
-    SyntheticTokens,
-    add_run_args,
-    build_model,
-    peak_rss_bytes,
-    run_spec_from_args,
-)
+from _spec import SKIP_STEPS, SyntheticTokens, add_run_args, build_model, run_spec_from_args
+from _timing import StepTimer, peak_rss_bytes
 from baseline_torch import _time_fsdp_collectives
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from transformers.utils import logging as hf_logging

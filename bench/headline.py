@@ -22,23 +22,15 @@ import json
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-from _bench_common import (
-    OptimHparams,
-    RankResult,
-    StepTimer,
-    SyntheticTokens,
+from _optim import OptimHparams, optimizers
+from _spec import (
     add_run_args,
     build_model,
-    max_abs_diff,
-    peak_rss_bytes,
     run_spec_from_args,
     spawn_ranks,
-    split_params,
-    summarize,
-    train_steps,
     weights_fingerprint,
 )
+from _timing import RankResult, StepTimer, max_abs_diff, summarize, train_rank
 from baseline_torch import run_baseline
 
 import hyperparallel as hp
@@ -54,19 +46,8 @@ def _hp_rank(rank: int, world_size: int, spec, hparams: OptimHparams) -> RankRes
     for layer in model.model.layers:
         hp.fully_shard(layer)
     hp.fully_shard(model)
-    muon_params, adamw_params = split_params(model.named_parameters())
-    tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
-    records = train_steps(
-        model,
-        hp.optim.Muon(muon_params, **hparams.muon_defaults()),
-        hparams.make_adamw(adamw_params),
-        lambda step: [tokens.batch(step, spec, rank)],
-        spec.steps,
-        hparams,
-        StepTimer(waits=hp.fsdp.comm_wait_seconds),
-        sync=dist.barrier,
-    )
-    return RankResult(records, peak_rss_bytes(), fingerprint)
+    muon, adamw = optimizers(model, hparams, lambda params: hp.optim.Muon(params, **hparams.muon_defaults()))
+    return train_rank(model, muon, adamw, spec, hparams, StepTimer(waits=hp.fsdp.comm_wait_seconds), fingerprint)
 
 
 def run_hp(spec, hparams: OptimHparams | None = None) -> dict:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _optim import OptimHparams
+from _spec import resolve_config
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -41,12 +42,8 @@ import hyperparallel as hp
 import hyperparallel.optim as hpo
 from hyperparallel.launch import run
 
-DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(__file__), "..", "..", "shared", "bench", "qwen3-moe-bench.config.json"
-)
 # The protocol's Muon settings.
-LR, WEIGHT_DECAY, MOMENTUM, NS_STEPS, ADJUST_LR = 2e-3, 0.1, 0.95, 5, "match_rms_adamw"
-NS_COEFFICIENTS, EPS = (3.4445, -4.775, 2.0315), 1e-7
+H = OptimHparams()
 
 
 def muon_shapes(config_path: str) -> list[tuple[int, ...]]:
@@ -65,17 +62,17 @@ def redundant_step(params: list[DTensor], momentum: list[torch.Tensor]) -> None:
     """The redundant recipe: full matrices on every rank, torch's Newton–Schulz on each."""
     for p, buffer in zip(params, momentum):
         grad = p.grad.to_local()
-        buffer.lerp_(grad, 1 - MOMENTUM)
-        update = DTensor.from_local(grad.lerp(buffer, MOMENTUM), p.device_mesh, p.placements)
+        buffer.lerp_(grad, 1 - H.momentum)
+        update = DTensor.from_local(grad.lerp(buffer, H.momentum), p.device_mesh, p.placements)
         full = update.full_tensor()
         matrices = [full] if full.ndim == 2 else list(full)
         ortho = torch.stack(
-            [_zeropower_via_newtonschulz(m, NS_COEFFICIENTS, NS_STEPS, EPS) for m in matrices]
+            [_zeropower_via_newtonschulz(m, H.ns_coefficients, H.ns_steps, H.eps) for m in matrices]
         )
         rows = torch.chunk(ortho.view(full.shape), dist.get_world_size())[dist.get_rank()]
         local = p.to_local()
-        local.mul_(1 - LR * WEIGHT_DECAY)
-        local.add_(rows, alpha=-_adjust_lr(LR, ADJUST_LR, full.shape[-2:]))
+        local.mul_(1 - H.lr * H.weight_decay)
+        local.add_(rows, alpha=-_adjust_lr(H.lr, H.adjust_lr_fn, full.shape[-2:]))
 
 
 def _slowest(*seconds: float) -> list[float]:
@@ -96,9 +93,7 @@ def measure(config_path: str, steps: int) -> dict:
         )
         for shape in muon_shapes(config_path)
     ]
-    optimizer = hpo.Muon(
-        params, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, ns_steps=NS_STEPS, adjust_lr_fn=ADJUST_LR
-    )
+    optimizer = hpo.Muon(params, **H.muon_defaults())
     momentum = [torch.zeros_like(p.to_local()) for p in params]
     systems = {"redundant": lambda: redundant_step(params, momentum), "hp": optimizer.step}
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -134,11 +129,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--config", default="qwen3-moe-bench", help="config.json, or a protocol model name")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per system (after one warm-up)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
-    rows = [run(measure, nproc=n, args=(os.path.abspath(args.config), args.steps))[0] for n in args.ranks]
+    rows = [run(measure, nproc=n, args=(str(resolve_config(args.config)), args.steps))[0] for n in args.ranks]
     for row in rows:
         row["hp_over_redundant"] = row["hp_s"] / row["redundant_s"]
         row["hp_over_redundant_cpu"] = row["hp_cpu_s"] / row["redundant_cpu_s"]

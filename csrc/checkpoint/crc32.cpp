@@ -1,14 +1,18 @@
 // CRC-32 (zip's polynomial): carry-less multiplication (PCLMULQDQ) for bulk
-// bytes where the CPU has it, slicing-by-8 tables otherwise and for tails, and zlib's
+// bytes where simd::isa() is AVX2 or better (that tier includes CLMUL),
+// slicing-by-8 tables otherwise and for tails, and zlib's
 // GF(2) polynomial arithmetic to combine the CRCs of adjacent pieces, so that
 // pieces written by different threads still give one checksum per record and
 // per file.
-#include <immintrin.h>
-
 #include <array>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "hyperparallel/checkpoint/io.h"
+#include "simd/isa.h"
 
 namespace hp::ckpt {
 namespace {
@@ -70,7 +74,8 @@ uint32_t x2nmodp(uint64_t n, unsigned k) {
 // then fold to one lane and Barrett-reduce to 32 bits. Constants and steps
 // are those of Intel's "Fast CRC Computation Using PCLMULQDQ" for the
 // reflected polynomial 0xEDB88320 (as in Linux's crc32-pclmul_asm.S).
-#define HP_PCLMUL __attribute__((target("pclmul,sse4.1")))
+#if defined(__x86_64__)
+#define HP_PCLMUL HP_SIMD_TARGET(HP_SIMD_AVX2)
 HP_PCLMUL inline __m128i load(const unsigned char* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); }
 HP_PCLMUL inline __m128i fold(__m128i x, __m128i k) {
   return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
@@ -106,10 +111,7 @@ HP_PCLMUL uint32_t crc32_pclmul(uint32_t c, const unsigned char* p, size_t n) {
   return uint32_t(_mm_extract_epi32(x1, 1));
 }
 
-bool have_pclmul() {
-  static const bool yes = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
-  return yes;
-}
+#endif
 
 }  // namespace
 
@@ -117,12 +119,14 @@ uint32_t crc32(const void* data, size_t n, uint32_t crc) {
   const auto* p = static_cast<const unsigned char*>(data);
   const auto& t = kTables.t;
   uint32_t c = ~crc;
-  if (n >= 64 && have_pclmul()) {
+#if defined(__x86_64__)
+  if (n >= 64 && simd::isa() >= simd::Isa::avx2) {
     size_t bulk = n & ~size_t(15);
     c = crc32_pclmul(c, p, bulk);
     p += bulk;
     n -= bulk;
   }
+#endif
   while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
     c = t[0][(c ^ *p++) & 0xff] ^ (c >> 8);
     --n;

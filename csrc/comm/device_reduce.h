@@ -2,8 +2,9 @@
 //
 // A reduction is a list of segments, each `count` elements:
 //   out[dst + i] = scale * (in[0][src + i] + in[1][src + i] + ... )
-// summed in fp32 in peer order, rounded once to the output dtype: the same
-// order and rounding as the CPU's comm::reduce, so both give the same bits.
+// summed in fp32 in peer order, rounded once to the output dtype (simd's
+// bf16 rounding): the same order and rounding as the CPU's comm::reduce, so
+// both give the same bits.
 //
 // Work is split into tiles so that one launch covers a whole parameter group
 // whatever its segments' sizes. Inside a segment each thread moves 16 bytes
@@ -16,6 +17,8 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "simd/bf16.h"
 
 #if defined(__CUDACC__)
 #define HP_HD __host__ __device__ inline
@@ -56,25 +59,10 @@ struct Args {
   uint64_t first_tile[kMaxSegments + 1];
 };
 
-HP_HD float bf16_to_float(bf16_bits bits) {
-  uint32_t wide = uint32_t(bits) << 16;
-  float value;
-  memcpy(&value, &wide, sizeof value);
-  return value;
-}
-
-HP_HD bf16_bits float_to_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16_bits((bits >> 16) | 0x40);  // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  return bf16_bits(bits >> 16);
-}
-
 template <typename T>
 HP_HD float to_float(T value) {
   if constexpr (sizeof(T) == 2)
-    return bf16_to_float(value);
+    return simd::bf16_to_float(value);
   else
     return value;
 }
@@ -82,7 +70,7 @@ HP_HD float to_float(T value) {
 template <typename T>
 HP_HD T from_float(float value) {
   if constexpr (sizeof(T) == 2)
-    return float_to_bf16(value);
+    return simd::float_to_bf16(value);
   else
     return value;
 }

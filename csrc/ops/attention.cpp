@@ -48,8 +48,8 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
               " in batch, seq and head_dim");
   TORCH_CHECK(k.sym_size(2) > 0 && heads % k.sym_size(2) == 0, "hyperparallel::attention: ", heads,
               " query heads do not split into groups over ", k.sym_size(2), " kv heads");
-  TORCH_CHECK(d % 2 == 0 && d <= simd::kMaxHeadDim, "hyperparallel::attention: head_dim ", d,
-              " must be even (rotate-half RoPE) and at most ", simd::kMaxHeadDim);
+  TORCH_CHECK(d % 2 == 0 && d <= cpu::kMaxHeadDim, "hyperparallel::attention: head_dim ", d,
+              " must be even (rotate-half RoPE) and at most ", cpu::kMaxHeadDim);
   for (const auto* t : {&q, &k, &v, &q_norm_weight, &k_norm_weight}) {
     detail::check_float_or_bf16(*t, "attention", "q/k/v or a norm weight");
   }
@@ -105,7 +105,7 @@ Slab float_rows(const at::Tensor& t, int64_t offset, int64_t rows, int64_t cols,
                 std::vector<float>& scratch) {
   if (t.scalar_type() == at::kFloat) return {t.const_data_ptr<float>() + offset, ld};
   scratch.resize(rows * cols);
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   for (int64_t r = 0; r < rows; ++r)
     k.to_float(t.scalar_type(), elem(t, offset + r * ld), scratch.data() + r * cols, cols);
   return {scratch.data(), cols};
@@ -134,7 +134,7 @@ Outputs forward_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
   at::Tensor q_rstd = at::empty({B, S, H}, opts.dtype(at::kFloat));
   at::Tensor k_rstd = at::empty({B, S, G}, opts.dtype(at::kFloat));
   const int64_t bs = sh.block();
-  const auto& kern = simd::kernels();
+  const auto& kern = cpu::kernels();
   const float* cos_p = cos.const_data_ptr<float>();
   const float* sin_p = sin.const_data_ptr<float>();
   const float* mask_p = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
@@ -207,7 +207,7 @@ Grads backward_cpu(const at::Tensor& grad_out, const at::Tensor& q_in, const at:
   at::Tensor dqw = at::zeros({at::get_num_threads(), D}, q.options().dtype(at::kFloat));
   at::Tensor dkw = at::zeros_like(dqw);
   const int64_t bs = sh.block();
-  const auto& kern = simd::kernels();
+  const auto& kern = cpu::kernels();
   const float* cos_p = cos.const_data_ptr<float>();
   const float* sin_p = sin.const_data_ptr<float>();
   const float* mask_p = mask.defined() ? mask.const_data_ptr<float>() : nullptr;

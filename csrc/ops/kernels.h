@@ -1,23 +1,20 @@
-// Row kernels of the fused modules (the elementwise and reduction work that
-// sits between the GEMMs) and hp.optim.Muon's elementwise passes. Each is
-// compiled once per instruction set (AVX-512, AVX2, baseline) and the best one
-// the CPU runs is picked at load time, so the extension needs no -march flags.
-// Storage is float32 or bfloat16 (`type`); arithmetic is always float32.
+// Row kernels of the fused modules: the elementwise and reduction work that
+// sits between the GEMMs. Each is compiled once per instruction-set tier
+// (simd/foreach_isa.h) and the tier simd::isa() names runs, so the extension
+// needs no -march flags. Storage is float32 or bfloat16 (`type`); arithmetic
+// is always float32.
 #pragma once
 
 #include <c10/core/ScalarType.h>
-#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
-namespace hp::ops::simd {
+namespace hp::ops::cpu {
 
 // norm_rope keeps a head row on the stack.
 constexpr int64_t kMaxHeadDim = 1024;
 
 struct Kernels {
-  const char* isa;  // "avx512", "avx2" or "baseline"
-
   // dst = float(src) / dst = round-to-nearest-even(src) for n elements.
   void (*to_float)(c10::ScalarType type, const void* src, float* dst, int64_t n);
   void (*from_float)(c10::ScalarType type, const float* src, void* dst, int64_t n);
@@ -73,19 +70,9 @@ struct Kernels {
   // dlogits of sum_e coef[e] * sum_rows mask * p[e].
   void (*aux_loss_backward)(c10::ScalarType t, const void* logits, int64_t rows, int64_t experts, const float* coef,
                             const float* mask, void* dlogits);
-
-  // Muon's momentum on n floats, in one pass: buf = lerp(buf, grad, 1 - momentum)
-  // and, when out is not null, the update (nesterov: lerp(grad, buf, momentum),
-  // else buf) rounded to bfloat16 into out. lerp as ATen's vectorised kernel
-  // computes it (one FMA), so the results are torch's lerp_'s.
-  void (*muon_momentum)(float* buf, const float* grad, c10::BFloat16* out, int64_t n, double momentum,
-                        bool nesterov);
-  // param = param * decay, then param += alpha * float(update): torch's mul_
-  // then add_(update, alpha=alpha), in one pass.
-  void (*muon_apply)(float* param, const c10::BFloat16* update, int64_t n, float decay, float alpha);
 };
 
-// The kernels for this CPU; HP_SIMD=avx2|baseline picks a lesser set (tests).
+// The kernels of the tier simd::isa() chose.
 const Kernels& kernels();
 
-}  // namespace hp::ops::simd
+}  // namespace hp::ops::cpu

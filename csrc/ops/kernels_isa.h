@@ -1,82 +1,8 @@
-// The row kernels of kernels.h for one instruction set. kernels.cpp includes
-// this file once per instruction set, each time inside a namespace and a
-// `#pragma GCC target` region of its own, with HP_SIMD_WIDTH floats to a
-// vector: there is deliberately no include guard. GCC's vector extensions
-// become AVX-512, AVX2 or SSE instructions according to that region.
-//
-// Loops run over whole vectors, then one partial vector: loads of a partial
-// vector fill the missing lanes with a neutral value and stores write only
-// the valid lanes, so every lane goes through the same arithmetic.
-
-constexpr int W = HP_SIMD_WIDTH;
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
-typedef uint32_t vu __attribute__((vector_size(W * 4)));
-typedef uint16_t vh __attribute__((vector_size(W * 2)));
-using bf16 = c10::BFloat16;
+// The row kernels of kernels.h for one instruction set, on simd/vec.h's
+// primitives: simd/foreach_isa.h includes this once per tier (no include
+// guard).
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-HP_INL vf splat(float x) { return vf{} + x; }
-
-HP_INL vf load(const float* p, int64_t m, float pad = 0.f) {
-  vf v = splat(pad);
-  std::memcpy(&v, p, m * sizeof(float));
-  return v;
-}
-HP_INL vf load(const bf16* p, int64_t m, float pad = 0.f) {
-  vh h = {};
-  std::memcpy(&h, p, m * sizeof(bf16));
-  vf v = (vf)(__builtin_convertvector(h, vu) << 16);
-  if (m < W) {
-    for (int64_t l = m; l < W; ++l) v[l] = pad;
-  }
-  return v;
-}
-
-// Round to nearest even, as c10::BFloat16 does; NaN stays a quiet NaN.
-HP_INL vu bf16_bits(vf v) {
-  vu u = (vu)v;
-  vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  vu nan = (vu)(v != v);
-  return (rounded & ~nan) | (0x7FC0u & nan);
-}
-
-HP_INL void store(float* p, vf v, int64_t m) { std::memcpy(p, &v, m * sizeof(float)); }
-HP_INL void store(bf16* p, vf v, int64_t m) {
-  vh h = __builtin_convertvector(bf16_bits(v), vh);
-  std::memcpy(p, &h, m * sizeof(bf16));
-}
-
-// The value v holds after a round trip through storage type T: HF casts to
-// the input dtype at these points, and bf16 results must round alike.
-template <typename T>
-HP_INL vf round_as(vf v) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    return (vf)(bf16_bits(v) << 16);
-  } else {
-    return v;
-  }
-}
-
-template <class Body>
-HP_INL void for_chunks(int64_t n, Body&& body) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) body(i, int64_t{W});
-  if (i < n) body(i, n - i);
-}
-
-HP_INL float hsum(vf v) {
-  float s = 0.f;
-  for (int l = 0; l < W; ++l) s += v[l];
-  return s;
-}
-HP_INL float hmax(vf v) {
-  float s = v[0];
-  for (int l = 1; l < W; ++l) s = s > v[l] ? s : v[l];
-  return s;
-}
-HP_INL vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // exp within 1 ulp (Cephes' polynomial); exactly 0 below the float range, so
 // masked scores (-inf) vanish.
@@ -135,11 +61,9 @@ float dot(const float* a, const float* b, int64_t n) {
   return hsum(acc);
 }
 
-// Softmax of n floats in place; returns the log-sum-exp.
-HP_INL float softmax_inplace(float* p, int64_t n) {
-  vf mx = splat(-kInf);
-  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA { mx = vmax(mx, load(p + i, m, -kInf)); });
-  const float top = hmax(mx);
+// p <- exp(p - top) / their sum, for n floats whose largest is top (finite);
+// returns the log-sum-exp.
+HP_INL float exp_normalize(float* p, int64_t n, float top) {
   vf acc = {};
   for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA {
     const vf e = vexp(load(p + i, m, -kInf) - top);
@@ -150,6 +74,13 @@ HP_INL float softmax_inplace(float* p, int64_t n) {
   const float inv = 1.0f / sum;
   for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA { store(p + i, load(p + i, m) * inv, m); });
   return top + std::log(sum);
+}
+
+// Softmax of n floats in place; returns the log-sum-exp.
+HP_INL float softmax_inplace(float* p, int64_t n) {
+  vf mx = splat(-kInf);
+  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA { mx = vmax(mx, load(p + i, m, -kInf)); });
+  return exp_normalize(p, n, hmax(mx));
 }
 
 // The k largest of p[0, n) in descending order, the lower index first among
@@ -306,17 +237,9 @@ float softmax_row(float* s, int64_t n_valid, int64_t n_total, float scale, const
     zero(s, n_total);
     return kInf;
   }
-  vf acc = {};
-  for_chunks(n_valid, [&](int64_t i, int64_t m) HP_LAMBDA {
-    const vf e = vexp(load(s + i, m, -kInf) - top);
-    store(s + i, e, m);
-    acc += e;
-  });
-  const float sum = hsum(acc);
-  const float inv = 1.0f / sum;
-  for_chunks(n_valid, [&](int64_t i, int64_t m) HP_LAMBDA { store(s + i, load(s + i, m) * inv, m); });
+  const float lse = exp_normalize(s, n_valid, top);
   zero(s + n_valid, n_total - n_valid);
-  return top + std::log(sum);
+  return lse;
 }
 
 void softmax_backward_row(float* s, float* dp, int64_t n_valid, int64_t n_total, float scale, const float* add,
@@ -512,51 +435,10 @@ void aux_loss_backward(c10::ScalarType t, const void* logits, int64_t rows, int6
   });
 }
 
-// ---------------------------------------------------------------------------
-// Muon's elementwise passes.
-
-// a * b + c rounded once, as ATen's vec::fmadd.
-HP_INL vf vfma(vf a, vf b, vf c) {
-#if HP_SIMD_WIDTH == 16
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif HP_SIMD_WIDTH == 8
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  vf r;
-  for (int l = 0; l < W; ++l) r[l] = std::fma(a[l], b[l], c[l]);
-  return r;
-#endif
-}
-
-// ATen's vectorised lerp(self, end, weight) for a scalar weight.
-HP_INL vf vlerp(vf self, vf end, float weight) {
-  const bool small = std::abs(weight) < 0.5f;
-  return vfma(splat(small ? weight : weight - 1.0f), end - self, small ? self : end);
-}
-
-void muon_momentum(float* buf, const float* grad, bf16* out, int64_t n, double momentum, bool nesterov) {
-  // torch passes the weights as Scalars (double), converted to float.
-  const float to_grad = float(1.0 - momentum), to_buf = float(momentum);
-  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA {
-    const vf g = load(grad + i, m);
-    const vf b = vlerp(load(buf + i, m), g, to_grad);
-    store(buf + i, b, m);
-    if (out) store(out + i, nesterov ? vlerp(g, b, to_buf) : b, m);
-  });
-}
-
-void muon_apply(float* param, const bf16* update, int64_t n, float decay, float alpha) {
-  for_chunks(n, [&](int64_t i, int64_t m) HP_LAMBDA {
-    const vf p = load(param + i, m) * decay;
-    store(param + i, vfma(load(update + i, m), splat(alpha), p), m);
-  });
-}
-
 #undef HP_TYPE
 
-Kernels table(const char* isa) {
-  return Kernels{isa,
-                 &to_float,
+Kernels table() {
+  return Kernels{&to_float,
                  &from_float,
                  &dot,
                  &rms_norm_forward,
@@ -571,7 +453,5 @@ Kernels table(const char* isa) {
                  &router_forward,
                  &router_backward,
                  &aux_loss_accumulate,
-                 &aux_loss_backward,
-                 &muon_momentum,
-                 &muon_apply};
+                 &aux_loss_backward};
 }

@@ -69,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_forward_cpu(const at::Tensor& input, cons
   mm_into(gu.narrow(1, 0, I), x, gate.t());
   mm_into(gu.narrow(1, I, I), x, up.t());
   at::Tensor a = at::empty({T, I}, x.options());
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, T, row_grain(I), [&](int64_t begin, int64_t end) {
     k.swiglu_forward(x.scalar_type(), elem(gu, begin * 2 * I), elem_mut(a, begin * I), end - begin, I);
   });
@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_cpu(
   const int64_t T = x.size(0), I = gate.size(0);
   const at::Tensor da = at::mm(dy, down);
   at::Tensor dgu = at::empty_like(gu), a = at::empty({T, I}, x.options());
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, T, row_grain(I), [&](int64_t begin, int64_t end) {
     k.swiglu_backward(x.scalar_type(), elem(gu, begin * 2 * I), elem(da, begin * I), nullptr,
                       elem_mut(dgu, begin * 2 * I), elem_mut(a, begin * I), nullptr, end - begin, I);
@@ -165,7 +165,7 @@ RouterOutputs router_cpu(const at::Tensor& input, const at::Tensor& weight, int6
   const int64_t T = logits.size(0), E = logits.size(1);
   at::Tensor scores = at::empty({T, top_k}, input.options());
   at::Tensor index = at::empty({T, top_k}, input.options().dtype(at::kLong));
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, T, row_grain(E * 8), [&](int64_t begin, int64_t end) {
     k.router_forward(logits.scalar_type(), elem(logits, begin * E), end - begin, E, top_k, norm,
                      elem_mut(scores, begin * top_k), index.mutable_data_ptr<int64_t>() + begin * top_k);
@@ -182,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor> router_backward_cpu(const at::Tensor& grad_lo
   const at::Tensor gs = grad_scores.contiguous();
   const int64_t T = logits.size(0), E = logits.size(1), top_k = index.size(1);
   at::Tensor dlogits = at::empty_like(logits);
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, T, row_grain(E * 8), [&](int64_t begin, int64_t end) {
     k.router_backward(logits.scalar_type(), elem(logits, begin * E), index.const_data_ptr<int64_t>() + begin * top_k,
                       gs.scalar_type(), elem(gs, begin * top_k), elem(gl, begin * E), end - begin, E, top_k, norm,
@@ -302,7 +302,7 @@ ExpertOutputs experts_forward_cpu(const at::Tensor& input, const at::Tensor& gat
     if (c > 0) mm_into(gu.narrow(0, o, c), rows.narrow(0, o, c), gate_up[e].t());
   });
   at::Tensor a = at::empty({N, I}, x.options());
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, N, row_grain(I), [&](int64_t begin, int64_t end) {
     k.swiglu_forward(x.scalar_type(), elem(gu, begin * 2 * I), elem_mut(a, begin * I), end - begin, I);
   });
@@ -339,7 +339,7 @@ ExpertGrads experts_backward_cpu(const at::Tensor& grad_in, const at::Tensor& in
       rw[pos[n]] = wp[n];
     }
   }
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   const auto dt = x.scalar_type();
 
   // rows: first the output gradient per (token, expert), then the gathered
@@ -462,7 +462,7 @@ std::tuple<at::Tensor, at::Tensor> aux_forward_cpu(const at::Tensor& logits_in, 
   const at::Tensor mask = token_mask(attention_mask, T);
   const float* m = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
   std::vector<double> counts(E, 0.0), probs(E, 0.0);
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   for (int64_t l = 0; l < L; ++l) {
     k.aux_loss_accumulate(logits.scalar_type(), elem(logits, l * T * E), T, E, top_k, m, counts.data(), probs.data());
   }
@@ -483,7 +483,7 @@ at::Tensor aux_backward_cpu(const at::Tensor& grad, const at::Tensor& logits_in,
   const at::Tensor mask = token_mask(attention_mask, T);
   const at::Tensor coef = (coef_in * grad.to(at::kFloat)).contiguous();
   at::Tensor dlogits = at::empty_like(logits);
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, L * T, row_grain(E * 8), [&](int64_t begin, int64_t end) {
     // Row ranges may span layers; the mask repeats per layer.
     for (int64_t r = begin; r < end;) {

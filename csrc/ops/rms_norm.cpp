@@ -37,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& input, const at
   const int64_t rows = x.numel() / n;
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(output_type(x, w)));
   at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     k.rms_norm_forward(x.scalar_type(), elem(x, begin * n), w.scalar_type(), w.const_data_ptr(), y.scalar_type(),
                        elem_mut(y, begin * n), rstd.mutable_data_ptr<float>() + begin, end - begin, n,
@@ -57,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad, const at
   at::Tensor dx = at::empty_like(x);
   // One float32 weight-gradient row per thread, summed at the end.
   at::Tensor partial = at::zeros({at::get_num_threads(), n}, x.options().dtype(at::kFloat));
-  const auto& k = simd::kernels();
+  const auto& k = cpu::kernels();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     float* acc = partial.mutable_data_ptr<float>() + at::get_thread_num() * n;
     k.rms_norm_backward(dy.scalar_type(), elem(dy, begin * n), x.scalar_type(), elem(x, begin * n), w.scalar_type(),

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "../ops/kernels.h"
+#include "simd/isa.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -11,14 +11,7 @@
 
 namespace hp::optim::gram {
 
-bool available() {
-#if defined(__x86_64__)
-  static const bool ok = __builtin_cpu_supports("avx512bf16") && std::strcmp(ops::simd::kernels().isa, "avx512") == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
+bool available() { return simd::avx512_bf16(); }
 
 void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed) {
   const int64_t pairs = k / 2;
@@ -57,7 +50,7 @@ void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed) {
 #if defined(__x86_64__)
 namespace {
 
-#define HP_GRAM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define HP_GRAM_TARGET HP_SIMD_TARGET(HP_SIMD_AVX512_BF16)
 
 // The blocks of k oneDNN sums separately (see gram.h), in elements.
 int64_t k_block(int64_t k) { return k <= 512 ? k : k <= 1024 ? 512 : 1024; }

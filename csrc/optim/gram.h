@@ -21,9 +21,9 @@ namespace hp::optim::gram {
 // Columns per block of the product.
 constexpr int64_t kBlock = 32;
 
-// Whether this CPU runs the kernels (AVX-512 with bfloat16 dot products) and
-// HP_SIMD does not ask for a lesser instruction set; and whether a product
-// over k (the inner dimension) fits them: k even.
+// Whether the kernels run: simd::isa() is AVX-512 and this CPU has bfloat16
+// dot products (simd::avx512_bf16()); and whether a product over k (the
+// inner dimension) fits them: k even.
 bool available();
 inline bool fits(int64_t k) { return k % 2 == 0 && k > 0; }
 

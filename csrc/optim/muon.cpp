@@ -9,9 +9,9 @@
 #include <numeric>
 #include <set>
 
-#include "../ops/kernels.h"
 #include "hyperparallel/comm/c10d.h"
 #include "hyperparallel/comm/reduce.h"
+#include "muon_kernels.h"
 
 namespace hp::optim {
 namespace {
@@ -316,7 +316,7 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   // Momentum on this rank's rows; the rows of the matrices to orthogonalise
   // go into the buffer once per node.
   if (node) node->acquire(*window_);
-  const auto& simd = ops::simd::kernels();
+  const MuonKernels& kernels = muon_kernels();
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     at::Tensor buffer = momentum[i];
@@ -327,9 +327,9 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
       // buffer where this replica writes the piece.
       for (const Piece& piece : pieces_[i]) {
         at::Tensor rows = local_rows(buffer, piece);
-        c10::BFloat16* slot = piece.write ? slot_rows(piece).data_ptr<c10::BFloat16>() : nullptr;
-        simd.muon_momentum(rows.data_ptr<float>(), local_rows(grads[i], piece).data_ptr<float>(), slot, rows.numel(),
-                           o.momentum, o.nesterov);
+        auto* slot = piece.write ? static_cast<simd::bf16*>(slot_rows(piece).data_ptr()) : nullptr;
+        kernels.momentum(rows.data_ptr<float>(), local_rows(grads[i], piece).data_ptr<float>(), slot, rows.numel(),
+                         o.momentum, o.nesterov);
       }
       continue;
     }
@@ -370,8 +370,8 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
       const double alpha = -adjusted_lr(o, pool.rows, pool.cols);
       at::Tensor rows = local_rows(param, piece), slot = slot_rows(piece);
       if (one_pass)
-        simd.muon_apply(rows.data_ptr<float>(), slot.data_ptr<c10::BFloat16>(), rows.numel(),
-                        float(1.0 - o.lr * o.weight_decay), float(alpha));
+        kernels.apply(rows.data_ptr<float>(), static_cast<const simd::bf16*>(slot.const_data_ptr()), rows.numel(),
+                      float(1.0 - o.lr * o.weight_decay), float(alpha));
       else
         rows.add_(slot, alpha);
     }

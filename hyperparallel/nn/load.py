@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-# Checkpoints keep one tensor per expert (transformers' save_pretrained
-# writes them so); 5.x models stack them into gate_up_proj (gate rows first)
-# and down_proj.
-_PER_EXPERT = re.compile(
-    r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
-)
+from hyperparallel.checkpoint import hf
 
 # Config fields that fix parameter shapes: a checkpoint must agree on them.
 _SHAPE_FIELDS = (
@@ -39,17 +32,6 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def _shard_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    single = directory / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
 
 
 def _check_config(model: nn.Module, directory: Path) -> None:
@@ -90,11 +72,11 @@ class _Target:
         return stripped if stripped in self.tensors else None
 
     def assign(self, key: str, read) -> bool:
-        expert = _PER_EXPERT.match(key)
+        expert = hf.expert_key(key)
+        name = self.name(expert.stacked if expert else key)
+        if name is None:
+            return False
         if expert is None:
-            name = self.name(key)
-            if name is None:
-                return False
             tensor = read()
             if tensor.shape != self.tensors[name].shape:
                 raise ValueError(
@@ -103,26 +85,17 @@ class _Target:
             self.tensors[name].copy_(tensor)
             self.filled[id(self.tensors[name])].add(None)
             return True
-        part, index = expert["part"], int(expert["expert"])
-        name = self.name(f"{expert['experts']}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}")
-        if name is None:
-            return False
         fused = self.tensors[name]
-        if index >= fused.shape[0]:
-            raise ValueError(f"{key}: expert {index} does not exist; the model has {fused.shape[0]}")
-        rows = fused.shape[1] // 2
-        target = {
-            "gate_proj": fused[index, :rows],
-            "up_proj": fused[index, rows:],
-            "down_proj": fused[index],
-        }[part]
+        if expert.index >= fused.shape[0]:
+            raise ValueError(f"{key}: expert {expert.index} does not exist; the model has {fused.shape[0]}")
+        target = hf.expert_rows(fused, expert)
         tensor = read()
         if tensor.shape != target.shape:
             raise ValueError(
-                f"{key} is {tuple(tensor.shape)}; expected {tuple(target.shape)} for {name}[{index}]"
+                f"{key} is {tuple(tensor.shape)}; expected {tuple(target.shape)} for {name}[{expert.index}]"
             )
         target.copy_(tensor)
-        self.filled[id(fused)].add((index, part))
+        self.filled[id(fused)].add((expert.index, expert.part))
         return True
 
     def missing(self) -> list[str]:
@@ -131,10 +104,9 @@ class _Target:
             got = self.filled[id(tensor)]
             if None in got:
                 continue
-            if name.endswith(("gate_up_proj", "down_proj")) and tensor.dim() == 3:
-                parts = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
-                if all((e, p) in got for e in range(tensor.shape[0]) for p in parts):
-                    continue
+            parts = hf.STACKED_PARTS.get(name.rsplit(".", 1)[-1])
+            if parts and tensor.dim() == 3 and all((e, p) in got for e in range(tensor.shape[0]) for p in parts):
+                continue
             missing.append(name)
         return missing
 
@@ -176,11 +148,11 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     target = _Target(model)
     unexpected = []
     with torch.no_grad():
-        for path in _shard_files(directory):
-            with safe_open(str(path), framework="pt") as shard:
-                for key in shard.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    if not target.assign(key, lambda key=key: shard.get_tensor(key)):
-                        unexpected.append(key)
+        for path in hf.shard_files(directory):
+            shard = hf.SafetensorsFile(path)
+            for key in shard.names:
+                if not target.assign(key, lambda key=key, shard=shard: shard.read([key])[key]):
+                    unexpected.append(key)
     result = LoadResult(target.missing(), unexpected)
     if strict and (result.missing_keys or result.unexpected_keys):
         raise KeyError(

@@ -27,7 +27,7 @@ void run_kernel(k::Args& args) {
 template <typename T>
 T from_double(double value) {
   if constexpr (sizeof(T) == 2)
-    return k::float_to_bf16(float(value));
+    return hp::simd::float_to_bf16(float(value));
   else
     return float(value);
 }
@@ -173,14 +173,14 @@ TEST(DeviceReduce, MatchesTheCpuReduceBitForBit) {
 }
 
 TEST(DeviceReduce, Bf16RoundingMatchesNearestEven) {
-  EXPECT_EQ(k::float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(hp::simd::float_to_bf16(1.0f), 0x3f80);
   float halfway;  // exactly between two bf16 values: ties to even
   uint32_t bits = 0x3f808000u;
   std::memcpy(&halfway, &bits, 4);
-  EXPECT_EQ(k::float_to_bf16(halfway), 0x3f80);
+  EXPECT_EQ(hp::simd::float_to_bf16(halfway), 0x3f80);
   bits = 0x3f818000u;
   std::memcpy(&halfway, &bits, 4);
-  EXPECT_EQ(k::float_to_bf16(halfway), 0x3f82);
-  EXPECT_EQ(k::float_to_bf16(std::numeric_limits<float>::quiet_NaN()) & 0x7fc0, 0x7fc0);
-  EXPECT_EQ(k::bf16_to_float(0x4040), 3.0f);
+  EXPECT_EQ(hp::simd::float_to_bf16(halfway), 0x3f82);
+  EXPECT_EQ(hp::simd::float_to_bf16(std::numeric_limits<float>::quiet_NaN()) & 0x7fc0, 0x7fc0);
+  EXPECT_EQ(hp::simd::bf16_to_float(0x4040), 3.0f);
 }

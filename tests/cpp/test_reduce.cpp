@@ -6,28 +6,13 @@
 #include <random>
 #include <vector>
 
+#include "bf16_reference.h"
 #include "hyperparallel/comm/reduce.h"
 
 using namespace hp::comm;
 
-namespace {
-
-uint16_t to_bf16_reference(float value) {  // round to nearest even, by hand
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  uint32_t lower = bits & 0xffff, upper = bits >> 16;
-  if (lower > 0x8000 || (lower == 0x8000 && (upper & 1))) ++upper;
-  return uint16_t(upper);
-}
-
-float from_bf16(uint16_t bits) {
-  uint32_t wide = uint32_t(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, 4);
-  return value;
-}
-
-}  // namespace
+using hp::testing::from_bf16_reference;
+using hp::testing::to_bf16_reference;
 
 TEST(Chunk, MatchesTorchChunk) {
   // torch.chunk(torch.arange(10), 4) -> sizes 3,3,3,1
@@ -90,7 +75,7 @@ TEST(Reduce, BFloat16WidensSumsAndRoundsOnceToNearestEven) {
   reduce(out.data(), pointers.data(), count, n, DType::BF16, 0.25f);
   for (std::size_t i = 0; i < n; ++i) {
     float sum = 0;
-    for (int s = 0; s < count; ++s) sum += from_bf16(srcs[s][i]);
+    for (int s = 0; s < count; ++s) sum += from_bf16_reference(srcs[s][i]);
     ASSERT_EQ(out[i], to_bf16_reference(sum * 0.25f)) << i;
   }
 }
@@ -102,7 +87,7 @@ TEST(Reduce, BFloat16KeepsNaNAndInfinity) {
   std::vector<uint16_t> a = {nan, inf, one}, b = {one, one, one}, out(3);
   const void* srcs[] = {a.data(), b.data()};
   reduce(out.data(), srcs, 2, 3, DType::BF16, 1.0f);
-  EXPECT_TRUE(std::isnan(from_bf16(out[0])));
-  EXPECT_TRUE(std::isinf(from_bf16(out[1])));
-  EXPECT_EQ(from_bf16(out[2]), 2.0f);
+  EXPECT_TRUE(std::isnan(from_bf16_reference(out[0])));
+  EXPECT_TRUE(std::isinf(from_bf16_reference(out[1])));
+  EXPECT_EQ(from_bf16_reference(out[2]), 2.0f);
 }

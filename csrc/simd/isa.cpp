@@ -1,0 +1,66 @@
+#include "isa.h"
+
+#include <cstdlib>
+#include <string>
+
+namespace hp::simd {
+
+Isa cpu_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  // Every feature of HP_SIMD_AVX2 / HP_SIMD_AVX512: code built for a tier may
+  // use any of them.
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi") &&
+                    __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("pclmul");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512) return Isa::avx512;
+  if (avx2) return Isa::avx2;
+#endif
+  return Isa::baseline;
+}
+
+Isa capped(Isa best, const char* cap) {
+  const std::string text = cap ? cap : "";
+  Isa limit;
+  if (text.empty() || text == "avx512") {
+    limit = Isa::avx512;
+  } else if (text == "avx2") {
+    limit = Isa::avx2;
+  } else if (text == "baseline") {
+    limit = Isa::baseline;
+  } else {
+    throw std::invalid_argument("HP_SIMD=" + text +
+                                " is not an instruction set hyperparallel knows: use avx512, avx2 or baseline (or "
+                                "leave it unset)");
+  }
+  return best < limit ? best : limit;
+}
+
+Isa isa() {
+  static const Isa chosen = capped(cpu_isa(), std::getenv("HP_SIMD"));
+  return chosen;
+}
+
+bool avx512_bf16() {
+#if defined(__x86_64__)
+  static const bool yes = isa() == Isa::avx512 && __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+const char* name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return "avx512";
+    case Isa::avx2:
+      return "avx2";
+    default:
+      return "baseline";
+  }
+}
+
+}  // namespace hp::simd

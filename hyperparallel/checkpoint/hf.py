@@ -1,0 +1,222 @@
+"""HuggingFace model directories: the one place that knows their files and tensor names.
+
+An HF directory holds ``config.json`` and either ``model.safetensors`` or
+shards listed by ``model.safetensors.index.json``. Hub checkpoints keep one
+tensor per expert (``...experts.<e>.{gate,up,down}_proj.weight``, what
+``save_pretrained`` writes); transformers 5.x models stack them into
+``experts.gate_up_proj`` (each expert's gate rows, then its up rows) and
+``experts.down_proj``. Safetensors bytes are read and written by the C++ I/O.
+``hp.nn.load_pretrained`` and ``hyperparallel convert`` both go through here.
+
+Example::
+
+    from hyperparallel.checkpoint import hf
+
+    tensors = {}
+    for path in hf.shard_files("ckpt/"):
+        tensors.update(hf.read_safetensors(path))
+    stacked = hf.fuse_experts(tensors)   # per-expert weights -> gate_up_proj / down_proj stacks
+    hf.write_directory(stacked, "out/", config="ckpt/config.json")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hyperparallel import _C
+from hyperparallel.checkpoint._storage import CheckpointError, io_threads
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+_DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+_PER_EXPERT = re.compile(r"^(?P<stack>.+\.experts)\.(?P<index>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+# A stacked expert tensor's name (after "<stack>.") and the per-expert parts it holds, in row order.
+STACKED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def shard_files(directory: str | os.PathLike) -> list[Path]:
+    """The safetensors files of HF directory ``directory``: the index's shards, or ``model.safetensors``."""
+    directory = Path(directory)
+    index = directory / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / SINGLE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{directory} has neither {SINGLE} nor {INDEX}: pass an HF model directory")
+
+
+class SafetensorsFile:
+    """One safetensors file: its header, read once; tensors are read on demand by the C++ reader.
+
+    Example::
+
+        file = SafetensorsFile("ckpt/model.safetensors")
+        for name in file.names:
+            tensor = file.read([name])[name]
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        (length,) = struct.unpack("<Q", _C.ckpt_read_bytes(self.path, 0, 8))
+        header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
+        header.pop("__metadata__", None)
+        self._data_start = 8 + length
+        self._entries = header
+        self.names = list(header)
+
+    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (default: all), in new CPU tensors, read with ``HP_CKPT_THREADS`` threads."""
+        tensors, requests = {}, []
+        for name in self.names if names is None else names:
+            info = self._entries[name]
+            if info["dtype"] not in _DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            begin, end = info["data_offsets"]
+            if end - begin != tensor.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {info['shape']}")
+            tensors[name] = tensor
+            if tensor.nbytes:
+                requests.append((self.path, self._data_start + begin, tensor))
+        _C.ckpt_read_into(requests, io_threads())
+        return tensors
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, read by the C++ reader."""
+    return SafetensorsFile(path).read()
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> int:
+    """One safetensors file (header, then each tensor's bytes), written by the C++ writer; returns its size."""
+    header, entries, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPE_CODES:
+            raise CheckpointError(f"{name}: dtype {tensor.dtype} has no safetensors code; convert it with --dtype")
+        tensor = tensor.detach().cpu().contiguous()
+        header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+        entries.append((tensor,))
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    _, size, _ = _C.ckpt_write_file(str(path), [(struct.pack("<Q", len(blob)) + blob,), *entries])
+    return size
+
+
+def write_directory(tensors: dict[str, torch.Tensor], out: str | os.PathLike, config: str | os.PathLike,
+                    max_shard_size: int = 5 << 30) -> Path:
+    """An HF directory ``out``: ``tensors`` in ``model-0000i-of-0000n.safetensors`` shards of at most
+    ``max_shard_size`` bytes (a larger tensor gets a shard of its own), the index, and ``config``
+    copied to ``config.json``."""
+    out = Path(out)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(shard, out / file)
+        weight_map.update({name: file for name in shard})
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    shutil.copyfile(config, out / "config.json")
+    return out
+
+
+class ExpertKey(NamedTuple):
+    """A per-expert tensor name, taken apart: ``<stack>.<index>.<part>.weight``."""
+
+    stack: str  # "...mlp.experts"
+    index: int
+    part: str  # gate_proj, up_proj or down_proj
+
+    @property
+    def stacked(self) -> str:
+        """The name of the stacked tensor this expert's part belongs to."""
+        return f"{self.stack}.{'down_proj' if self.part == 'down_proj' else 'gate_up_proj'}"
+
+
+def expert_key(name: str) -> ExpertKey | None:
+    """``name`` taken apart if it is a per-expert tensor's name, else None."""
+    match = _PER_EXPERT.match(name)
+    return ExpertKey(match["stack"], int(match["index"]), match["part"]) if match else None
+
+
+def expert_rows(stacked: torch.Tensor, key: ExpertKey) -> torch.Tensor:
+    """The view of stacked tensor ``stacked`` (``key.stacked``) where expert ``key.index``'s ``key.part`` lies."""
+    if key.part == "down_proj":
+        return stacked[key.index]
+    rows = stacked.shape[1] // 2
+    return stacked[key.index, :rows] if key.part == "gate_proj" else stacked[key.index, rows:]
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors stacked as transformers 5.x keeps them; every other tensor as it is."""
+    parts: dict[str, dict[ExpertKey, torch.Tensor]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        key = expert_key(name)
+        if key is None:
+            out[name] = tensor
+        else:
+            parts.setdefault(key.stacked, {})[key] = tensor
+    for stacked, by_key in parts.items():
+        first = next(iter(by_key))
+        experts = 1 + max(key.index for key in by_key)
+        wanted = [first._replace(index=e, part=part)
+                  for e in range(experts) for part in STACKED_PARTS[stacked.rsplit(".", 1)[1]]]
+        missing = [key for key in wanted if key not in by_key]
+        if missing:
+            key = missing[0]
+            raise CheckpointError(f"{key.stack}: expert weight {key.index}.{key.part} is missing from the HF directory")
+        row = by_key[wanted[0]]
+        rows = row.shape[0] * len(wanted) // experts
+        fused = torch.empty(experts, rows, *row.shape[1:], dtype=row.dtype)
+        for key in wanted:
+            expert_rows(fused, key).copy_(by_key[key])
+        out[stacked] = fused
+    return out
+
+
+__all__ = [
+    "INDEX",
+    "SINGLE",
+    "STACKED_PARTS",
+    "ExpertKey",
+    "SafetensorsFile",
+    "expert_key",
+    "expert_rows",
+    "fuse_experts",
+    "read_safetensors",
+    "shard_files",
+    "write_directory",
+    "write_safetensors",
+]

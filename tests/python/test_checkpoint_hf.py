@@ -1,0 +1,55 @@
+"""hyperparallel.checkpoint.hf, the one home of HF directory I/O: what it fuses is what load_pretrained fills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import hyperparallel.nn as hpnn
+from hyperparallel.checkpoint import CheckpointError, hf
+
+CONFIG = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 40, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "num_experts": 3, "num_experts_per_tok": 2,
+}
+
+
+def tiny_model(seed: int) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+
+
+def hub_tensors(tmp_path) -> dict[str, torch.Tensor]:
+    """A sharded save_pretrained directory (per-expert tensors), read back whole."""
+    tiny_model(0).save_pretrained(tmp_path, max_shard_size="20KB")
+    files = hf.shard_files(tmp_path)
+    assert len(files) > 1
+    tensors = {}
+    for path in files:
+        tensors.update(hf.read_safetensors(path))
+    return tensors
+
+
+def test_fused_experts_are_what_load_pretrained_fills(tmp_path):
+    tensors = hub_tensors(tmp_path)
+    assert hf.expert_key("model.layers.1.mlp.experts.2.up_proj.weight") == ("model.layers.1.mlp.experts", 2, "up_proj")
+    assert any(hf.expert_key(name) for name in tensors)
+    fused = hf.fuse_experts(tensors)
+    assert not any(hf.expert_key(name) for name in fused)
+    model = tiny_model(1)
+    hpnn.load_pretrained(model, tmp_path)
+    state = model.state_dict()
+    assert fused.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(fused[name], tensor), name
+
+
+def test_a_missing_expert_weight_is_named(tmp_path):
+    tensors = hub_tensors(tmp_path)
+    del tensors["model.layers.0.mlp.experts.1.up_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.experts: expert weight 1.up_proj is missing"):
+        hf.fuse_experts(tensors)
+    with pytest.raises(FileNotFoundError, match="pass an HF model directory"):
+        hf.shard_files(tmp_path / "nothing")
