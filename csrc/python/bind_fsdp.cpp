@@ -14,7 +14,7 @@ void bind_fsdp(py::module_& m) {
   using fsdp::ParamGroup;
   py::class_<fsdp::Reducer, std::shared_ptr<fsdp::Reducer>>(m, "Reducer")
       .def(py::init<>())
-      .def("drain", &fsdp::Reducer::drain, py::call_guard<py::gil_scoped_release>());
+      .def("stop", &fsdp::Reducer::stop, py::call_guard<py::gil_scoped_release>());
   py::class_<fsdp::GradWindows, std::shared_ptr<fsdp::GradWindows>>(m, "GradWindows")
       .def(py::init<std::shared_ptr<comm::Communicator>, int>(), py::arg("communicator"), py::arg("count"));
   py::class_<ParamGroup, std::shared_ptr<ParamGroup>>(m, "ParamGroup")
@@ -31,7 +31,6 @@ void bind_fsdp(py::module_& m) {
            py::arg("replicate") = nullptr)
       .def_property_readonly("full", &ParamGroup::full)
       .def_property_readonly("shards", &ParamGroup::shards)
-      .def_property_readonly("unshard_posted", &ParamGroup::unshard_posted)
       .def("begin_unshard", &ParamGroup::begin_unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &ParamGroup::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reduce", &ParamGroup::reduce, py::arg("grads"), py::arg("fresh_output"),

@@ -203,6 +203,7 @@ def fully_shard(
     if _reducer is None:
         _reducer = _C.Reducer()
         _grad_windows = _C.GradWindows(communicator, 2)
+        hp_comm._on_shutdown(_stop_reducer)
     cgroup = _C.ParamGroup(
         communicator, _reducer, _grad_windows, [p.detach() for p in params],
         mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
@@ -218,6 +219,15 @@ def fully_shard(
         m.register_forward_hook(_post_forward)
         m.__class__ = type(f"HP{type(m).__name__}", (FSDPModule, type(m)), {})
     return module
+
+
+def _stop_reducer() -> None:
+    """hp.comm.shutdown(): the pending reductions run, the reducer thread is joined; a later
+    fully_shard makes a new one."""
+    global _reducer, _grad_windows
+    if _reducer is not None:
+        _reducer.stop()
+    _reducer = _grad_windows = None
 
 
 def _root_of(module: nn.Module) -> RootState:

@@ -67,6 +67,9 @@ class Communicator {
   Stats stats() const { return node_.stats(); }
   void reset_stats() { node_.reset_stats(); }
 
+  // This rank leaves the job (fabric::Fabric::shutdown); idempotent.
+  void shutdown() { fabric_->shutdown(); }
+
  private:
   Window& window_of(const at::Tensor& tensor, const char* what);
   at::Tensor window_tensor(Window& window, void* data, at::IntArrayRef sizes, at::ScalarType dtype);

@@ -78,7 +78,6 @@ class ParamGroup {
   void begin_unshard();
   // Returns once every rank of the node has posted its rows.
   void wait_unshard();
-  bool unshard_posted() const { return unshard_posted_; }
 
   // Hands this rank's full gradients (nullopt: none) to the reducer thread and
   // returns at once. `fresh_output`: reduce into new memory, because the
