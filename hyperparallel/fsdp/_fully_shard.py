@@ -32,7 +32,8 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False):
         """Make the full parameters this module's parameters (a wait: nothing is copied)."""
-        self._hp_state.cgroup.begin_unshard()
+        if self._hp_state.cgroup is not None:
+            self._hp_state.cgroup.begin_unshard()
         if async_op:
             return _UnshardHandle(self._hp_state)
         self._hp_state.unshard()
@@ -157,6 +158,9 @@ def fully_shard(
       (HSDP): shards within the node, all-reduce of shards across nodes over c10d;
     - ``offload_policy`` is accepted; on the CPU there is nothing to offload to.
 
+    As with torch, a module with no parameters left to shard (all in nested groups, ignored, or
+    none at all) is accepted: it makes no group and only drives the hooks (the usual root).
+
     Example::
 
         hp.comm.init()
@@ -187,8 +191,6 @@ def fully_shard(
     params = []
     for m in modules:
         params += [p for p in _managed_params(m, ignored) if all(p is not q for q in params)]
-    if not params:
-        raise ValueError("hp.fully_shard: the module has no parameters left to shard")
     devices = sorted({str(p.device) for p in params})
     if len(devices) > 1:
         raise ValueError(f"hp.fully_shard: parameters on several devices {devices}; move the module to one first")
@@ -200,14 +202,16 @@ def fully_shard(
             if placement is not None and placement != Shard(0):
                 raise ValueError(f"hp.fully_shard: shard_placement_fn returned {placement}; only Shard(0) is supported")
 
-    if _reducer is None:
-        _reducer = _C.Reducer()
-        _grad_windows = _C.GradWindows(communicator, 2)
-        hp_comm._on_shutdown(_stop_reducer)
-    cgroup = _C.ParamGroup(
-        communicator, _reducer, _grad_windows, [p.detach() for p in params],
-        mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
-    )
+    cgroup = None
+    if params:
+        if _reducer is None:
+            _reducer = _C.Reducer()
+            _grad_windows = _C.GradWindows(communicator, 2)
+            hp_comm._on_shutdown(_stop_reducer)
+        cgroup = _C.ParamGroup(
+            communicator, _reducer, _grad_windows, [p.detach() for p in params],
+            mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
+        )
     state = GroupState(modules, params, cgroup, mesh, placements,
                        None if reshard_after_forward is None else bool(reshard_after_forward), mp_policy)
     for m in modules:

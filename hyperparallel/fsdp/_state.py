@@ -58,7 +58,7 @@ class GroupState:
         self,
         modules: list[nn.Module],
         params: list[nn.Parameter],
-        cgroup: _C.ParamGroup,
+        cgroup: _C.ParamGroup | None,
         mesh: DeviceMesh,
         placements: tuple[Placement, ...],
         reshard_after_forward: bool | None,
@@ -74,7 +74,8 @@ class GroupState:
         self.requires_gradient_sync = True
         self.mp_policy = mp_policy
         self.refs: list[_ParamRef] = []
-        for param, shard, full in zip(params, cgroup.shards, cgroup.full):
+        # cgroup is None for a module with no parameters of its own: it only drives the hooks.
+        for param, shard, full in zip(params, cgroup.shards if cgroup else [], cgroup.full if cgroup else []):
             local = DTensor.from_local(
                 shard, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
             )
@@ -111,7 +112,7 @@ class GroupState:
 
     # -- forward --------------------------------------------------------------------------------
     def unshard(self) -> None:
-        if self.unsharded:
+        if self.unsharded or self.cgroup is None:
             return
         start = time.perf_counter()
         self.cgroup.wait_unshard()
@@ -206,7 +207,7 @@ class RootState:
     def pre_forward(self) -> None:
         RootState.active = self
         for group in self.groups:
-            if not group.unsharded:
+            if not group.unsharded and group.cgroup is not None:
                 group.cgroup.begin_unshard()  # never blocks: the real wait is per group
 
     def post_forward(self, output):
@@ -221,7 +222,8 @@ class RootState:
             # No backward will release the parameters: do it now, so the
             # optimizer may write them.
             for group in self.groups:
-                group.cgroup.release()
+                if group.cgroup is not None:
+                    group.cgroup.release()
         return output
 
     def _queue_final_callback(self, grad):
