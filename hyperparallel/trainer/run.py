@@ -8,7 +8,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from hyperparallel.trainer import data as data_lib
 from hyperparallel.trainer.config import (
     Config,
     ConfigError,
@@ -87,8 +86,9 @@ def ensure_tokens(cfg: Config) -> None:
     p = cfg.data.prepare
     print(f"hyperparallel train: {cfg.data.tokens} is missing; tokenizing {', '.join(p.text)} "
           f"({'training a BPE of ' + str(p.vocab_size) if p.tokenizer == 'bpe' else p.tokenizer})", flush=True)
-    meta = data_lib.prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size,
-                            eos_token=p.eos_token)
+    from hyperparallel.trainer.tokenize import prepare
+
+    meta = prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size, eos_token=p.eos_token)
     print(f"hyperparallel train: wrote {cfg.data.tokens}: {meta['num_tokens']:,} tokens", flush=True)
 
 
