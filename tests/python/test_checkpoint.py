@@ -126,6 +126,11 @@ def test_corrupted_and_truncated_files_are_refused(tmp_path):
         ckpt.load(blank(state), tmp_path / "c")
 
     ckpt.save(state, tmp_path / "c")
+    data.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp is missing"):
+        ckpt.load(blank(state), tmp_path / "c")
+
+    ckpt.save(state, tmp_path / "c")
     (tmp_path / "c/.metadata").write_bytes(b"garbage")
     with pytest.raises(ckpt.CheckpointError, match=r"\.metadata"):
         ckpt.load(blank(state), tmp_path / "c")
@@ -236,6 +241,16 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
     assert manager.load_latest(got) == 1 and torch.equal(got["w"], torch.arange(1000.0))
     manager.save(2, {"w": torch.ones(1000), "step": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_an_async_save_still_running_at_exit_is_finished_first(tmp_path):
+    """The process ends right after async_save returns: hp.comm.shutdown, at exit, waits for the save."""
+    script = ("import sys, torch, hyperparallel.checkpoint as ckpt\n"
+              "ckpt.async_save({'w': torch.arange(1 << 22, dtype=torch.float32)}, sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "c")], check=True, timeout=120)
+    got = {"w": torch.zeros(1 << 22)}
+    ckpt.load(got, tmp_path / "c")
+    assert torch.equal(got["w"], torch.arange(1 << 22, dtype=torch.float32))
 
 
 FULL_DISK = textwrap.dedent(
