@@ -77,6 +77,7 @@ def init() -> _C.Communicator:
                 _cross_node = group
     store = dist.distributed_c10d._get_default_store()
     _communicator = _C.Communicator(topology, store, _cross_node)
+    log.debug("hp.comm.init: the fabric is up: %s", topology)
     return _communicator
 
 
