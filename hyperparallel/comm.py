@@ -87,9 +87,9 @@ def shutdown() -> None:
     In order: pending asynchronous checkpoint saves finish, the FSDP reducer thread runs
     what it was given and is joined, and the fabric's heartbeat thread is joined, this
     rank marked gone (a peer still waiting for it raises at once, naming it) and any
-    segment name it still owns unlinked. Shared memory is unmapped as soon as nothing
-    views it; the package holds no view of its own after this. Collectives and modules
-    sharded before raise a clear error if used afterwards; :func:`init` starts afresh.
+    segment name it still owns unlinked. The package drops its own references: shared
+    memory stays mapped only while a tensor or a module sharded before still views it, and
+    those raise a clear error if used for collectives afterwards; :func:`init` starts afresh.
 
     Idempotent, and not collective. It runs by itself at interpreter exit (after a normal
     return, ``sys.exit(n)`` or an uncaught exception; with or without
