@@ -43,7 +43,9 @@ _MAGIC = b"HPTOKENS"
 _VERSION = 2
 # magic, version, bytes per id, tokens, vocabulary, eos id; zero-padded to HEADER_BYTES.
 _HEADER = struct.Struct("<8sIIQQQ")
-_REMAKE = "make it with `hyperparallel data prepare` (or list text files in data.prepare.text)"
+_MAKE = "make it with `hyperparallel data prepare` (or list text files in data.prepare.text)"
+_REMAKE = ("make it again with `hyperparallel data prepare --overwrite` (or delete it and list text files in "
+           "data.prepare.text)")
 
 
 class TokenFileError(ValueError):
@@ -75,18 +77,18 @@ def read_meta(tokens: str | os.PathLike) -> dict[str, Any]:
     """
     tokens, path = Path(tokens), meta_path(tokens)
     if not tokens.is_file():
-        raise TokenFileError(f"{tokens} does not exist; {_REMAKE}")
+        raise TokenFileError(f"{tokens} does not exist; {_MAKE}")
     if not path.is_file():
         raise TokenFileError(f"{tokens} has no metadata ({path.name} is missing beside it), so it is not a token "
                              f"file; {_REMAKE}")
     try:
         meta = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as error:
-        raise TokenFileError(f"{tokens}: its metadata {path.name} is not JSON ({error}); re-{_REMAKE}") from None
+        raise TokenFileError(f"{tokens}: its metadata {path.name} is not JSON ({error}); {_REMAKE}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise TokenFileError(f"{tokens}: its metadata {path.name} is of format {found!r}, not {FORMAT!r}; "
-                             f"re-{_REMAKE}")
+                             f"{_REMAKE}")
     with open(tokens, "rb") as file:
         raw = file.read(_HEADER.size)
     if len(raw) < _HEADER.size or not raw.startswith(_MAGIC):
@@ -97,11 +99,11 @@ def read_meta(tokens: str | os.PathLike) -> dict[str, Any]:
     expected = (_VERSION, np.dtype(meta["dtype"]).itemsize, meta["num_tokens"], meta["vocab_size"], meta["eos_id"])
     if said != expected:
         raise TokenFileError(f"{tokens}: its header (version, bytes per id, tokens, vocabulary, eos) = {said} "
-                             f"disagrees with {path.name}'s {expected}: they are from different runs; re-{_REMAKE}")
+                             f"disagrees with {path.name}'s {expected}: they are from different runs; {_REMAKE}")
     size, need = tokens.stat().st_size, HEADER_BYTES + count * itemsize
     if size != need:
         raise TokenFileError(f"{tokens} is {size} bytes where its header says {need} ({count} tokens): it is "
-                             f"truncated or was overwritten; re-{_REMAKE}")
+                             f"truncated or was overwritten; {_REMAKE}")
     return meta
 
 
