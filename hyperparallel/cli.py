@@ -17,7 +17,7 @@ import sys
 
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train",): ("hyperparallel.trainer.run:main", "train a model from a YAML config (docs/train.md)"),
-    ("data", "prepare"): ("hyperparallel.trainer.data:prepare_cli", "tokenize text files into a token file"),
+    ("data", "prepare"): ("hyperparallel.trainer.tokenize:prepare_cli", "tokenize text files into a token file"),
     ("convert",): ("hyperparallel.checkpoint.convert:main", "checkpoint <-> HuggingFace model directory"),
 }
 

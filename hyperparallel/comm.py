@@ -18,22 +18,32 @@ Example (run under ``torchrun --nproc-per-node 2``)::
     hp.comm.all_gather_shared(full)               # a wait: nothing is copied
     t = torch.ones(3)
     hp.comm.all_reduce(t)                         # t == world size everywhere
+    hp.comm.shutdown()                            # optional: it runs at exit by itself
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from hyperparallel import _C
+from hyperparallel._log import log
 
 Op = Literal["sum", "avg"]
 _OPS = {"sum": _C.ReduceOp.SUM, "avg": _C.ReduceOp.AVG}
 _communicator: _C.Communicator | None = None
 _cross_node: dist.ProcessGroup | None = None
+# What the layers above must stop before the fabric goes (see shutdown()), latest first.
+_teardowns: list[Callable[[], None]] = []
+_exit_registered = False
+_was_shut_down = False
+# How long the exit waits for torch's Gloo workers to finish a collective still in flight.
+_GLOO_EXIT_WAIT_S = 5.0
 
 
 def init() -> _C.Communicator:
@@ -47,6 +57,7 @@ def init() -> _C.Communicator:
     global _communicator, _cross_node
     if _communicator is not None:
         return _communicator
+    _register_exit()
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group("gloo")
@@ -67,6 +78,7 @@ def init() -> _C.Communicator:
                 _cross_node = group
     store = dist.distributed_c10d._get_default_store()
     _communicator = _C.Communicator(topology, store, _cross_node)
+    log.debug("hp.comm.init: the fabric is up: %s", topology)
     return _communicator
 
 
@@ -91,6 +103,71 @@ def device() -> torch.device:
     return torch.device("cuda", local % torch.cuda.device_count())
 
 
+def shutdown() -> None:
+    """End this process's part in hyperparallel: stop its threads, release its shared memory.
+
+    In order: pending asynchronous checkpoint saves finish, the FSDP reducer thread runs
+    what it was given and is joined, and the fabric's heartbeat thread is joined, this
+    rank marked gone (a peer still waiting for it raises at once, naming it) and any
+    segment name it still owns unlinked. The package drops its own references: shared
+    memory stays mapped only while a tensor or a module sharded before still views it, and
+    those raise a clear error if used for collectives afterwards; :func:`init` starts afresh.
+
+    Idempotent, and not collective. It runs by itself at interpreter exit (after a normal
+    return, ``sys.exit(n)`` or an uncaught exception; with or without
+    ``dist.destroy_process_group()``), where it also waits until torch's Gloo worker
+    threads have let go of the last collective's tensors: a worker that does so during
+    finalisation aborts the process (docs/reliability.md). A rank killed by a signal
+    (torchrun's SIGTERM) leaves nothing behind either: every segment's name is unlinked
+    as soon as all ranks have mapped it.
+
+    Example::
+
+        hp.comm.init()
+        ...
+        hp.comm.shutdown()
+        hp.comm.shutdown()   # no-op
+    """
+    global _communicator, _cross_node, _was_shut_down
+    error = None
+    while _teardowns:
+        try:
+            _teardowns.pop()()
+        except Exception as e:  # noqa: BLE001 -- the rest still runs; the first error is raised below
+            error = error or e
+    if _communicator is not None:
+        _communicator.shutdown()
+        _was_shut_down = True
+        log.debug("hp.comm.shutdown: the fabric is closed")
+    _communicator = None
+    _cross_node = None
+    if error is not None:
+        raise error
+
+
+def _on_shutdown(teardown: Callable[[], None]) -> None:
+    """Have :func:`shutdown` call ``teardown`` (once) before the fabric goes; latest first."""
+    _register_exit()
+    _teardowns.append(teardown)
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_at_exit)
+        _exit_registered = True
+
+
+def _at_exit() -> None:
+    try:
+        shutdown()
+    except Exception as error:  # noqa: BLE001 -- at exit there is no caller left to raise to
+        log.warning("exit: %s: %s", type(error).__name__, error)
+    finally:
+        if not _C.wait_gloo_workers_idle(_GLOO_EXIT_WAIT_S):
+            log.debug("exit: a Gloo collective was still in flight after %.0f s", _GLOO_EXIT_WAIT_S)
+
+
 def cross_node_group() -> dist.ProcessGroup | None:
     """This rank's c10d group with its counterparts (same local rank) on every node, ordered by
     node; None in a one-node job. Made by :func:`init`, which must have run."""
@@ -101,7 +178,8 @@ def cross_node_group() -> dist.ProcessGroup | None:
 def get() -> _C.Communicator:
     """The communicator :func:`init` made; raises if it has not run."""
     if _communicator is None:
-        raise RuntimeError("hyperparallel.comm: call hp.comm.init() first")
+        again = " again: hp.comm.shutdown() ran" if _was_shut_down else " first"
+        raise RuntimeError(f"hyperparallel.comm: call hp.comm.init(){again}")
     return _communicator
 
 

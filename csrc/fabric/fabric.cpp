@@ -1,5 +1,6 @@
 #include "hyperparallel/fabric/fabric.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -50,7 +51,7 @@ struct alignas(kLine) RankSlot {
   std::atomic<int64_t> heartbeat_ns;
   int32_t pid;
   int32_t global_rank;
-  std::atomic<int32_t> left;  // the rank shut its fabric down: gone, not dead
+  std::atomic<uint32_t> left;  // set by shutdown(): the rank will post nothing more
 };
 
 std::atomic<int> fabric_instances{0};
@@ -143,12 +144,32 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
 
   // Everyone has mapped the control segment once every rank posted: its name
   // can go.
-  barrier();
+  try {
+    barrier();
+  } catch (...) {
+    // A peer that never joined: no destructor runs, and a joinable thread
+    // destroyed with this object would terminate the process.
+    stop_heartbeat();
+    control_->unlink();
+    throw;
+  }
   if (topology.local_rank == 0) control_->unlink();
 }
 
-Fabric::~Fabric() {
-  control()->slots[topology_.local_rank].left.store(1);
+Fabric::~Fabric() { shutdown(); }
+
+void Fabric::shutdown() {
+  if (shut_down_.exchange(true)) return;
+  stop_heartbeat();
+  Control* c = control();
+  c->slots[topology_.local_rank].left.store(1);
+  // Peers asleep waiting for this rank look again, see it gone, and raise.
+  c->generation.fetch_add(1);
+  sys::futex_wake_all(&c->generation);
+  control_->unlink();
+}
+
+void Fabric::stop_heartbeat() {
   {
     std::lock_guard<std::mutex> lock(heartbeat_mutex_);
     stop_heartbeat_ = true;
@@ -158,6 +179,7 @@ Fabric::~Fabric() {
 }
 
 void Fabric::heartbeat_loop() {
+  pthread_setname_np(pthread_self(), "hp-heartbeat");  // in top, gdb, /proc/<pid>/task
   RankSlot& slot = control()->slots[topology_.local_rank];
   std::unique_lock<std::mutex> lock(heartbeat_mutex_);
   int64_t dead_since = 0;  // when the watchdog first saw a dead peer nobody reported
@@ -216,13 +238,22 @@ Channel Fabric::channel() {
 }
 
 void Fabric::post(int channel, uint64_t value) {
+  check_open();  // a rank that left must not look as if it took part
   Control* c = control();
   counter(channel, local_rank()).store(value, std::memory_order_seq_cst);
   c->generation.fetch_add(1, std::memory_order_seq_cst);
   if (c->sleepers.load(std::memory_order_seq_cst) > 0) sys::futex_wake_all(&c->generation);
 }
 
+void Fabric::check_open() const {
+  if (shut_down_.load(std::memory_order_relaxed))
+    throw FabricError("hyperparallel: rank " + std::to_string(topology_.rank) +
+                      " used the fabric after hp.comm.shutdown(); collectives and sharded modules cannot be used "
+                      "after it (hp.comm.init() starts afresh)");
+}
+
 void Fabric::wait(int channel, int first, int last, uint64_t value, const char* what) {
+  check_open();
   auto reached = [&] {
     for (int p = first; p < last; ++p)
       if (counter(channel, p).load(std::memory_order_acquire) < value) return false;
@@ -266,9 +297,9 @@ void Fabric::check_peers(int channel, int first, int last, uint64_t value, const
     std::ostringstream who;
     who << "rank " << slot.global_rank << " (local rank " << p << ", pid " << slot.pid << ")";
     if (slot.left.load() != 0)
-      abort("hyperparallel: " + who.str() + " shut its fabric down (it finished, or called hp.comm.shutdown()) while "
-            "rank " + std::to_string(topology_.rank) + " waited for it in " + what +
-            "; every rank must make the same collective calls before shutting down");
+      abort("hyperparallel: " + who.str() + " left the job (hp.comm.shutdown() or the end of its program) while rank " +
+            std::to_string(topology_.rank) + " waited for it in " + what +
+            "; every rank must make the same collective calls before it exits");
     if (!sys::process_alive(slot.pid))
       abort("hyperparallel: " + who.str() + " died while rank " + std::to_string(topology_.rank) + " waited for it in " +
             what + "; see that rank's log for the cause");
@@ -307,8 +338,6 @@ void Fabric::abort(const std::string& reason) {
   fail();
 }
 
-bool Fabric::aborted() const { return control()->abort_state.load() != 0; }
-
 void Fabric::fail() {
   Control* c = control();
   while (c->abort_state.load() == 1) HP_CPU_RELAX();
@@ -324,6 +353,7 @@ void Fabric::barrier() {
 }
 
 std::vector<std::string> Fabric::exchange(const std::string& mine) {
+  check_open();
   if (mine.size() > kExchangeBytes)
     throw std::logic_error("hyperparallel: exchange of " + std::to_string(mine.size()) + " bytes; at most " +
                            std::to_string(kExchangeBytes) + " fit");
@@ -347,6 +377,7 @@ std::vector<std::string> Fabric::exchange(const std::string& mine) {
 }
 
 std::shared_ptr<Segment> Fabric::allocate(std::size_t bytes) {
+  check_open();
   Control* c = control();
   const uint64_t published = 2 * alloc_seq_ + 1, mapped = 2 * alloc_seq_ + 2;
   std::shared_ptr<Segment> segment;
@@ -380,8 +411,6 @@ std::shared_ptr<Segment> Fabric::allocate(std::size_t bytes) {
 }
 
 void Channel::post(uint64_t value) const { fabric_->post(index_, value); }
-
-uint64_t Channel::posted() const { return fabric_->counter(index_, fabric_->local_rank()).load(); }
 
 void Channel::wait_all(uint64_t value, const char* what) const {
   fabric_->wait(index_, 0, fabric_->local_world(), value, what);

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "hyperparallel/comm/communicator.h"
+#include "hyperparallel/comm/teardown.h"
 #include "hyperparallel/fabric/fabric.h"
 #include "module.h"
 
@@ -36,6 +37,10 @@ void bind_comm(py::module_& m) {
 
   m.def("sweep_stale_segments", &fabric::sweep_stale_segments);
   m.def("device_backends", &comm::device_backends);
+  m.def(
+      "wait_gloo_workers_idle",
+      [](double seconds) { return comm::wait_gloo_workers_idle(std::chrono::milliseconds(int64_t(seconds * 1000))); },
+      py::arg("seconds"), py::call_guard<py::gil_scoped_release>());
 
   using comm::Communicator;
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
@@ -60,7 +65,8 @@ void bind_comm(py::module_& m) {
              return py::dict(py::arg("bytes_copied") = self.stats().bytes_copied,
                              py::arg("bytes_reduced") = self.stats().bytes_reduced);
            })
-      .def("reset_stats", &Communicator::reset_stats);
+      .def("reset_stats", &Communicator::reset_stats)
+      .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 
 hp::python::Registrar registrar("comm", &bind_comm);

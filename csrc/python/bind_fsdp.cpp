@@ -13,7 +13,10 @@ namespace {
 void bind_fsdp(py::module_& m) {
   using fsdp::ParamGroup;
   py::class_<fsdp::Context, std::shared_ptr<fsdp::Context>>(m, "FSDPContext")
-      .def(py::init<std::shared_ptr<comm::Communicator>>(), py::arg("communicator"));
+      .def(py::init<std::shared_ptr<comm::Communicator>>(), py::arg("communicator"))
+      .def(
+          "stop", [](fsdp::Context& context) { context.reducer()->stop(); },
+          py::call_guard<py::gil_scoped_release>());
   py::class_<ParamGroup, std::shared_ptr<ParamGroup>>(m, "ParamGroup")
       .def(py::init([](std::shared_ptr<fsdp::Context> context, const std::vector<at::Tensor>& params,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,

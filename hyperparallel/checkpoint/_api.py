@@ -3,7 +3,10 @@
 A save writes into ``<parent>/.<name>.partial``, fsyncs every file, records
 each file's size and CRC-32 in ``.checksums.json``, and only then publishes
 the directory under its name with one atomic rename (an exchange if a
-checkpoint of that name exists, which is removed only afterwards). A load
+checkpoint of that name exists, which is removed only afterwards). While it
+runs, the coordinator holds an exclusive ``flock`` on the staging directory:
+a save that fails removes it, and one that was killed leaves it unlocked for
+the next save of that path or CheckpointManager's sweep to remove. A load
 verifies sizes and CRCs first, each rank checking a share of the files.
 """
 
@@ -11,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import json
 import os
 import shutil
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +31,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from hyperparallel import _C
+from hyperparallel import comm as hp_comm
+from hyperparallel._log import log
 from hyperparallel.checkpoint._storage import CheckpointError, Reader, Writer, io_threads
 
 MANIFEST = ".checksums.json"
 METADATA = ".metadata"
-
-# Test seam: called (with the staging directory) in the writing thread right
-# after this rank's data file is written, before the metadata and the publish.
-# Tests hold a save "in flight" with it.
-_after_write = None
 
 
 @contextlib.contextmanager
@@ -94,6 +96,45 @@ def _staging(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
 
 
+def _remove_if_abandoned(staged: Path) -> bool:
+    """Remove the staging directory ``staged`` unless a live save holds its lock; whether it is gone."""
+    try:
+        fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(staged, ignore_errors=True)
+        log.info("removed %s, left by a save that did not finish", staged)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _lock_new_staging(staged: Path, path: Path) -> int:
+    """Make ``staged`` afresh; return a descriptor holding an exclusive flock on it until the save ends."""
+    while True:
+        if not _remove_if_abandoned(staged):
+            raise CheckpointError(
+                f"another live process is saving {path} (it holds {staged}); wait for it, or save elsewhere"
+            )
+        try:
+            staged.mkdir(parents=True)
+        except FileExistsError:
+            continue  # made meanwhile by another process: look again
+        fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper holding it is removing it: then make another
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(staged)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> None:
     """Save ``state_dict`` to directory ``path``; every rank writes only its own shards.
 
@@ -115,17 +156,29 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
     group, rank, _ = _group(process_group)
     path = path.absolute()
     staged = _staging(path)
-    error = None
+    lock, error = None, None
     if rank == 0:
         try:
-            if staged.exists():  # left over from a crash
-                shutil.rmtree(staged)
-            staged.mkdir(parents=True)
+            lock = _lock_new_staging(staged, path)
+        except CheckpointError as e:
+            error = str(e)
         except OSError as e:
             error = f"cannot create {staged}: {e}; check that {path.parent} is writable"
-    _first_error(group, error)
+    try:
+        _first_error(group, error)
+        _write_and_publish(state_dict, path, staged, group, rank, on_published)
+    except BaseException:
+        # The error reaches every rank through a collective, so all are done writing.
+        if lock is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
 
-    writer = Writer(staged, after_write=_after_write)
+
+def _write_and_publish(state_dict, path: Path, staged: Path, group, rank: int, on_published) -> None:
+    writer = Writer(staged)
     try:
         with _quiet(group):
             dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -269,6 +322,16 @@ def _stage(value):
 
 
 _async_groups: dict[tuple[int, ...], Any] = {}
+_in_flight: weakref.WeakSet = weakref.WeakSet()  # AsyncSaves not yet waited for
+_finish_at_shutdown = False  # _finish_in_flight is registered with hp.comm.shutdown
+
+
+def _finish_in_flight() -> None:
+    """hp.comm.shutdown() (and exit): every asynchronous save finishes before the process goes."""
+    global _finish_at_shutdown
+    _finish_at_shutdown = False
+    for pending in list(_in_flight):
+        pending.result()
 
 
 def _async_group(process_group):
@@ -292,6 +355,11 @@ class AsyncSave:
         self.path = path
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(target,), name=f"hp-ckpt-save {path}", daemon=True)
+        global _finish_at_shutdown
+        if not _finish_at_shutdown:
+            hp_comm._on_shutdown(_finish_in_flight)
+            _finish_at_shutdown = True
+        _in_flight.add(self)
         self._thread.start()
 
     def _run(self, target) -> None:
@@ -309,11 +377,12 @@ class AsyncSave:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"saving {self.path} is still running after {timeout} s")
+        _in_flight.discard(self)
         if self._error is not None:
             raise self._error
 
 
-def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None, _on_published=None) -> AsyncSave:
+def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> AsyncSave:
     """Start saving ``state_dict`` to ``path`` in the background and return at once.
 
     The state is copied first (in the caller, so training may change the
@@ -327,8 +396,13 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_g
         ...  # keep training
         pending.result()
     """
+    return _async_save(state_dict, Path(path), process_group)
+
+
+def _async_save(state_dict, path: Path, process_group, on_published=None) -> AsyncSave:
+    """:func:`async_save`; ``on_published(path)`` runs on the coordinator once the checkpoint is published."""
     _check_state_dict(state_dict)
     group = _async_group(process_group)
     snapshot = _stage(state_dict)
-    path = Path(path).absolute()
-    return AsyncSave(lambda: _save(snapshot, path, group, _on_published), path)
+    path = path.absolute()
+    return AsyncSave(lambda: _save(snapshot, path, group, on_published), path)

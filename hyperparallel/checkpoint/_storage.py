@@ -96,10 +96,9 @@ class Writer(FileSystemWriter):
     ``files`` maps each file written by this rank to (size, crc32).
     """
 
-    def __init__(self, path: str | os.PathLike, after_write=None) -> None:
+    def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.files: dict[str, tuple[int, int]] = {}
-        self._after_write = after_write
 
     def write_data(self, plan, planner):
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -117,8 +116,6 @@ class Writer(FileSystemWriter):
             extents, size, crc = _C.ckpt_write_file(os.path.join(self.path, file_name), entries)
         except RuntimeError as error:
             raise CheckpointError(str(error)) from None
-        if self._after_write is not None:
-            self._after_write(self.path)
         self.files[file_name] = (size, crc)
         results = [
             WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))

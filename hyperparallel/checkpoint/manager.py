@@ -10,9 +10,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hyperparallel.checkpoint._api import MANIFEST, METADATA, AsyncSave, _group, async_save, load, save
+from hyperparallel.checkpoint._api import (
+    MANIFEST,
+    METADATA,
+    AsyncSave,
+    _async_save,
+    _group,
+    _remove_if_abandoned,
+    load,
+    save,
+)
 
 _STEP = re.compile(r"^step_(\d{8,})$")
+_STAGING = re.compile(r"^\.step_(\d{8,})\.partial$")
 
 
 class CheckpointManager:
@@ -21,8 +31,10 @@ class CheckpointManager:
     A checkpoint is complete once its directory exists under its final name
     (saves publish it atomically, after fsyncing every file and recording
     their checksums); older ones are removed only after a newer one is
-    complete, and a save interrupted by a crash leaves only a hidden
-    ``.step_….partial`` directory that the next save clears.
+    complete. A save that fails removes its hidden ``.step_….partial``
+    directory; one interrupted by a crash or a kill leaves it, and the next
+    manager on this root removes it when it starts (unless a live save still
+    holds it).
 
     Example::
 
@@ -43,6 +55,14 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.process_group = process_group
         self._pending: AsyncSave | None = None
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove what killed saves left under root (staging directories no live save holds)."""
+        if self.root.is_dir():
+            for entry in self.root.iterdir():
+                if _STAGING.match(entry.name):
+                    _remove_if_abandoned(entry)
 
     def path(self, step: int) -> Path:
         """Where checkpoint ``step`` lives: ``root/step_{step:08d}``."""
@@ -72,7 +92,7 @@ class CheckpointManager:
         path = self.path(step)
         self.root.mkdir(parents=True, exist_ok=True)
         if async_:
-            self._pending = async_save(state_dict, path, process_group=self.process_group, _on_published=self._retain)
+            self._pending = _async_save(state_dict, path, self.process_group, self._retain)
         else:
             save(state_dict, path, process_group=self.process_group)
             self._retain_on_rank0()

@@ -27,7 +27,17 @@ def _context() -> _C.FSDPContext:
     global _shared_context
     if _shared_context is None:
         _shared_context = _C.FSDPContext(hp_comm.get())
+        hp_comm._on_shutdown(_stop_context)
     return _shared_context
+
+
+def _stop_context() -> None:
+    """hp.comm.shutdown(): the pending reductions run, the reducer thread is joined; a later
+    fully_shard makes a new context."""
+    global _shared_context
+    if _shared_context is not None:
+        _shared_context.stop()
+    _shared_context = None
 
 
 _shared_context: _C.FSDPContext | None = None
@@ -168,6 +178,9 @@ def fully_shard(
     - a 1-D mesh must lie within one node; across nodes use a 2-D ``(replicate, shard)`` mesh
       (HSDP): shards within the node, all-reduce of shards across nodes over c10d;
     - ``offload_policy`` is accepted; on the CPU there is nothing to offload to.
+
+    As with torch, a module with no parameters left to shard (all in nested groups, ignored, or
+    none at all) is accepted: it makes no group and only drives the hooks (the usual root).
 
     Example::
 

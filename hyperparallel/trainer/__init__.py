@@ -1,10 +1,11 @@
 """``hyperparallel train``: a YAML-driven trainer over hp.fully_shard, hp.nn and hp.optim.
 
-Modules, one idea each: ``config`` (the keys and their checks), ``data`` (token
-files and the loader), ``model`` (build, patch, checkpoint activations, shard),
-``optim`` (optimizers, LR schedule, clipping), ``state`` (checkpoints),
-``loop`` (one rank's training loop), ``report`` (progress, metrics, plot,
-summary), ``estimate`` (the dry-run memory estimate), ``run`` (the CLI).
+Modules, one idea each: ``config`` (the keys and their checks), ``data`` (the
+token file format, its checks, the loader), ``tokenize`` (text -> token file),
+``model`` (build, patch, checkpoint activations, shard), ``optim`` (optimizers,
+LR schedule, clipping), ``state`` (checkpoints), ``loop`` (the Trainer: setup,
+train_step, train), ``report`` (phase timing, progress, metrics, plot, summary),
+``estimate`` (the dry-run memory estimate), ``run`` (the CLI).
 
 Example::
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from hyperparallel.trainer.data import TokenFileError, read_meta
+
 
 class ConfigError(ValueError):
     """A configuration mistake; the message names the key and how to fix it."""
@@ -362,9 +364,7 @@ def check_world(cfg: Config, world_size: int) -> None:
 
 def check_vocab(cfg: Config, model_vocab: int) -> None:
     """The token file's vocabulary must fit the model's embedding."""
-    from hyperparallel.trainer.data import read_meta
-
-    vocab = read_meta(cfg.data.tokens)["vocab_size"]
+    vocab = _token_meta(cfg)["vocab_size"]
     if vocab > model_vocab:
         raise ConfigError(
             f"data.tokens: {cfg.data.tokens} has a vocabulary of {vocab} but the model's vocab_size is "
@@ -385,6 +385,7 @@ def check_files(cfg: Config, *, need_tokens: bool = False) -> None:
             raise ConfigError(f"model.pretrained: {m.pretrained} has no config.json")
     tokens = Path(cfg.data.tokens)
     if tokens.is_file():
+        _token_meta(cfg)  # a file that is there must be a token file
         return
     if need_tokens or not cfg.data.prepare.text:
         raise ConfigError(
@@ -402,6 +403,10 @@ def check_files(cfg: Config, *, need_tokens: bool = False) -> None:
         )
 
 
-def dump(cfg: Config) -> str:
-    """The config as YAML (every key, defaults included)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+def _token_meta(cfg: Config) -> dict[str, Any]:
+    """``data.tokens``' metadata, its header and size checked; ConfigError naming the fix if it is no token file."""
+    try:
+        return read_meta(cfg.data.tokens)
+    except TokenFileError as error:
+        raise ConfigError(f"data.tokens: {error}") from None

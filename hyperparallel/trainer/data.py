@@ -1,13 +1,16 @@
-"""Token files: text -> one memory-mapped array of token ids, and the loader that reads it.
+"""Token files: their format, how one is checked, and the loader that reads it.
 
-``prepare`` tokenizes text files (documents separated by blank lines) with a
-HuggingFace ``tokenizers`` tokenizer -- a byte-level BPE trained on the text,
-or a ``tokenizer.json`` from a local directory -- and writes, side by side:
+A token file (made by ``hyperparallel data prepare``, see :mod:`.tokenize`) is, side by side:
 
-- ``NAME.bin``: every document's ids followed by the end-of-sequence id, as
-  one flat uint16 (vocabularies up to 65536) or uint32 array;
-- ``NAME.json``: dtype, token count, vocabulary size, eos id, sources;
+- ``NAME.bin``: a 64-byte header (``HPTOKENS``, format version, bytes per id, token
+  count, vocabulary size, end-of-sequence id; little-endian), then every document's ids
+  followed by the end-of-sequence id, as one flat uint16 (vocabularies up to 65536) or
+  uint32 array;
+- ``NAME.json``: the same numbers, the tokenizer and the sources, for people;
 - ``NAME.tokenizer.json``: the tokenizer, to decode samples later.
+
+:func:`read_meta` refuses, naming the file and the fix, anything else: a file of another
+origin, one whose header and ``.json`` disagree, a truncated or overlong one.
 
 :class:`TokenLoader` cuts the stream into ``seq_len``-token samples, orders
 them by a per-epoch permutation of a seed, and hands each data-parallel rank
@@ -17,7 +20,6 @@ world size.
 
 Example::
 
-    meta = prepare(["examples/data/stories.txt"], "runs/data/stories.bin", tokenizer="bpe", vocab_size=2048)
     loader = TokenLoader("runs/data/stories.bin", seq_len=256, global_batch=16, micro_batch=4,
                          dp_rank=0, dp_size=2, seed=0)
     ids = loader.micro_batch(0)        # [4, 256] int64, this rank's first micro-batch of step 0
@@ -28,17 +30,26 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
-# Documents per encode_batch call while tokenizing (bounds memory for large corpora).
-_CHUNK_DOCS = 4096
-_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+FORMAT = "hyperparallel-tokens-v2"
+HEADER_BYTES = 64
+_MAGIC = b"HPTOKENS"
+_VERSION = 2
+# magic, version, bytes per id, tokens, vocabulary, eos id; zero-padded to HEADER_BYTES.
+_HEADER = struct.Struct("<8sIIQQQ")
+_MAKE = "make it with `hyperparallel data prepare` (or list text files in data.prepare.text)"
+_REMAKE = ("make it again with `hyperparallel data prepare --overwrite` (or delete it and list text files in "
+           "data.prepare.text)")
+
+
+class TokenFileError(ValueError):
+    """A token file that cannot be trained on; the message names the file and the fix."""
 
 
 def meta_path(tokens: str | os.PathLike) -> Path:
@@ -51,135 +62,48 @@ def tokenizer_path(tokens: str | os.PathLike) -> Path:
     return Path(tokens).with_suffix(".tokenizer.json")
 
 
+def write_header(file: BinaryIO, meta: dict[str, Any]) -> None:
+    """The header of a token file with metadata ``meta``, at the file's start."""
+    header = _HEADER.pack(_MAGIC, _VERSION, np.dtype(meta["dtype"]).itemsize, meta["num_tokens"],
+                          meta["vocab_size"], meta["eos_id"])
+    file.seek(0)
+    file.write(header.ljust(HEADER_BYTES, b"\0"))
+
+
 def read_meta(tokens: str | os.PathLike) -> dict[str, Any]:
-    """The metadata written beside a token file."""
-    path = meta_path(tokens)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {tokens} was not made by `hyperparallel data prepare`")
-    return json.loads(path.read_text())
+    """The metadata of token file ``tokens``, once its header and size are checked against it.
 
-
-def _documents(files: list[str]):
-    for name in files:
-        text = Path(name).read_text(encoding="utf-8", errors="replace")
-        for doc in text.split("\n\n"):
-            doc = doc.strip()
-            if doc:
-                yield doc
-
-
-def _train_bpe(files: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "<|endoftext|>"],  # ids 0 and 1
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_documents(files), trainer=trainer)
-    return tokenizer, "<|endoftext|>"
-
-
-def _load_tokenizer(spec: str):
-    from tokenizers import Tokenizer
-
-    path = Path(spec)
-    directory = path if path.is_dir() else path.parent
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist: give a directory holding an HF tokenizer.json, or the file")
-    tokenizer = Tokenizer.from_file(str(file))
-    eos = None
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        value = json.loads(config.read_text()).get("eos_token")
-        eos = value.get("content") if isinstance(value, dict) else value
-    if eos is None:
-        eos = next((name for name in _EOS_NAMES if tokenizer.token_to_id(name) is not None), None)
-    return tokenizer, eos
-
-
-def _with_eos(encodings, eos_id: int, dtype) -> np.ndarray:
-    """The documents' ids, each followed by eos_id, as one array (no loop over tokens)."""
-    pieces = [np.asarray(e.ids, dtype=dtype) for e in encodings]
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    out = np.empty(int(lengths.sum()) + len(pieces), dtype=dtype)
-    eos_at = np.cumsum(lengths + 1) - 1
-    keep = np.ones(len(out), dtype=bool)
-    keep[eos_at] = False
-    out[eos_at] = eos_id
-    if pieces:
-        out[keep] = np.concatenate(pieces)
-    return out
-
-
-def prepare(
-    text: list[str],
-    tokens: str | os.PathLike,
-    *,
-    tokenizer: str = "bpe",
-    vocab_size: int = 2048,
-    eos_token: str | None = None,
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """Tokenize ``text`` files into the token file ``tokens`` (see the module docstring); return its metadata.
-
-    Raises FileExistsError if ``tokens`` exists and ``overwrite`` is false.
+    Raises :class:`TokenFileError` naming the problem and the fix.
     """
-    tokens = Path(tokens)
-    if tokens.exists() and not overwrite:
-        raise FileExistsError(f"{tokens} exists; pass --overwrite to replace it")
-    for name in text:
-        if not Path(name).is_file():
-            raise FileNotFoundError(f"text file {name} does not exist")
-    if not text:
-        raise ValueError("no text files to tokenize")
-    if tokenizer == "bpe":
-        tok, default_eos = _train_bpe(text, vocab_size)
-    else:
-        tok, default_eos = _load_tokenizer(tokenizer)
-    eos_token = eos_token or default_eos
-    eos_id = tok.token_to_id(eos_token) if eos_token else None
-    if eos_id is None:
-        raise ValueError(
-            f"the tokenizer has no end-of-sequence token {eos_token!r}; set data.prepare.eos_token "
-            "(or --eos-token) to one of its tokens"
-        )
-    vocab = tok.get_vocab_size()
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    tokens.parent.mkdir(parents=True, exist_ok=True)
-    partial = tokens.with_name(tokens.name + ".partial")
-    count, documents = 0, 0
-    with open(partial, "wb") as out:
-        batch: list[str] = []
-        for doc in _documents(text):
-            batch.append(doc)
-            if len(batch) == _CHUNK_DOCS:
-                ids = _with_eos(tok.encode_batch(batch), eos_id, dtype)
-                out.write(ids.tobytes())
-                count, documents, batch = count + len(ids), documents + len(batch), []
-        if batch:
-            ids = _with_eos(tok.encode_batch(batch), eos_id, dtype)
-            out.write(ids.tobytes())
-            count, documents = count + len(ids), documents + len(batch)
-    meta = {
-        "format": "hyperparallel-tokens-v1",
-        "dtype": np.dtype(dtype).name,
-        "num_tokens": count,
-        "num_documents": documents,
-        "vocab_size": vocab,
-        "eos_id": eos_id,
-        "eos_token": eos_token,
-        "tokenizer": "bpe (trained on the text)" if tokenizer == "bpe" else str(tokenizer),
-        "sources": [str(Path(t)) for t in text],
-    }
-    tok.save(str(tokenizer_path(tokens)))
-    meta_path(tokens).write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(partial, tokens)  # last: the token file exists only when complete
+    tokens, path = Path(tokens), meta_path(tokens)
+    if not tokens.is_file():
+        raise TokenFileError(f"{tokens} does not exist; {_MAKE}")
+    if not path.is_file():
+        raise TokenFileError(f"{tokens} has no metadata ({path.name} is missing beside it), so it is not a token "
+                             f"file; {_REMAKE}")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise TokenFileError(f"{tokens}: its metadata {path.name} is not JSON ({error}); {_REMAKE}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise TokenFileError(f"{tokens}: its metadata {path.name} is of format {found!r}, not {FORMAT!r}; "
+                             f"{_REMAKE}")
+    with open(tokens, "rb") as file:
+        raw = file.read(_HEADER.size)
+    if len(raw) < _HEADER.size or not raw.startswith(_MAGIC):
+        raise TokenFileError(f"{tokens} has no token file header (it does not start with {_MAGIC.decode()}), "
+                             f"so it is not a token file; {_REMAKE}")
+    _, version, itemsize, count, vocab, eos = _HEADER.unpack(raw)
+    said = (version, itemsize, count, vocab, eos)
+    expected = (_VERSION, np.dtype(meta["dtype"]).itemsize, meta["num_tokens"], meta["vocab_size"], meta["eos_id"])
+    if said != expected:
+        raise TokenFileError(f"{tokens}: its header (version, bytes per id, tokens, vocabulary, eos) = {said} "
+                             f"disagrees with {path.name}'s {expected}: they are from different runs; {_REMAKE}")
+    size, need = tokens.stat().st_size, HEADER_BYTES + count * itemsize
+    if size != need:
+        raise TokenFileError(f"{tokens} is {size} bytes where its header says {need} ({count} tokens): it is "
+                             f"truncated or was overwritten; {_REMAKE}")
     return meta
 
 
@@ -207,7 +131,7 @@ class TokenLoader:
         meta = read_meta(path)
         self.path = Path(path)
         self.meta = meta
-        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r", offset=HEADER_BYTES)
         self.seq_len = seq_len
         self.num_samples = len(self.tokens) // seq_len
         if self.num_samples < 1:
@@ -268,54 +192,3 @@ class TokenLoader:
                     "resuming at the exact sample needs the same token file, data.seq_len and data.seed"
                 )
         self.position = int(state["position"])
-
-
-def prepare_cli(argv: list[str]) -> int:
-    """``hyperparallel data prepare``: text files -> token file."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="hyperparallel data prepare",
-        description="Tokenize text files (documents separated by blank lines) into a memory-mapped token file.",
-    )
-    parser.add_argument("text", nargs="*", help="text files (or give a config with data.prepare.text)")
-    parser.add_argument("--out", help="the token file to write (NAME.bin); default: the config's data.tokens")
-    parser.add_argument("--config", help="take text, out and tokenizer settings from this training config")
-    parser.add_argument("--tokenizer", default=None,
-                        help="'bpe' (train on the text; the default) or a directory / tokenizer.json")
-    parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 2048)")
-    parser.add_argument("--eos-token", default=None, help="end-of-document token (default: the tokenizer's)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing token file")
-    args = parser.parse_args(argv)
-    from hyperparallel.trainer.config import PrepareConfig, load_config
-
-    prep, out = PrepareConfig(), args.out
-    if args.config:
-        cfg = load_config(args.config)
-        prep, out = cfg.data.prepare, out or cfg.data.tokens
-    text = args.text or prep.text
-    if not text or not out:
-        parser.error("give text files and --out, or --config with data.prepare.text and data.tokens")
-    try:
-        meta = prepare(
-            text, out,
-            tokenizer=args.tokenizer or prep.tokenizer,
-            vocab_size=args.vocab_size or prep.vocab_size,
-            eos_token=args.eos_token or prep.eos_token,
-            overwrite=args.overwrite,
-        )
-    except (FileExistsError, FileNotFoundError, ValueError) as error:
-        print(f"hyperparallel data prepare: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}: {meta['num_tokens']:,} tokens ({meta['dtype']}), {meta['num_documents']:,} documents, "
-          f"vocabulary {meta['vocab_size']:,}; tokenizer {tokenizer_path(out)}")
-    return 0
-
-
-def remove(tokens: str | os.PathLike) -> None:
-    """Delete a token file and what was written beside it."""
-    for path in (Path(tokens), meta_path(tokens), tokenizer_path(tokens)):
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()

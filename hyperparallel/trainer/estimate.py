@@ -135,7 +135,7 @@ def runtime_bytes() -> int:
     with (a test session, a notebook that has built models).
     """
     probe = ("import torch.distributed.checkpoint, transformers, hyperparallel.nn, hyperparallel.optim\n"
-             "from hyperparallel.trainer.report import rss_bytes\n"
+             "from hyperparallel._memory import rss_bytes\n"
              "print(rss_bytes())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])

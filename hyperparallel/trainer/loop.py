@@ -1,10 +1,18 @@
-"""The training loop one rank runs (started by ``hyperparallel train`` or by torchrun)."""
+"""The training loop one rank runs (started by ``hyperparallel train`` or by torchrun).
+
+:class:`Trainer` reads in the order it runs: ``__init__`` sets up (model, optimizers,
+data, resume), :meth:`Trainer.train_step` is one optimizer step, :meth:`Trainer.train`
+loops over steps, checkpoints, and hands rank 0 the summary.
+
+Example (every rank of a torch.distributed job)::
+
+    summary = Trainer(load_config("examples/default.yaml").to_dict()).train()
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -12,36 +20,174 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyperparallel.trainer import data as data_lib
+import hyperparallel as hp
+from hyperparallel._memory import rss_bytes
 from hyperparallel.trainer import model as model_lib
 from hyperparallel.trainer import optim as optim_lib
 from hyperparallel.trainer import report
 from hyperparallel.trainer import state as state_lib
 from hyperparallel.trainer.config import Config, check_vocab, check_world, from_dict
+from hyperparallel.trainer.data import TokenLoader
 
-PHASES = ("data", "forward", "backward", "optimizer", "comm_wait")
 
+class Trainer:
+    """One rank's part of the run ``cfg_dict`` describes (collective over the torch.distributed job).
 
-class _Phases:
-    """Wall time per phase of a step; waits on other ranks (hp.fsdp.comm_wait_seconds) are
-    taken out of the phase they happened in and counted as ``comm_wait``."""
+    Rank 0 writes ``metrics.jsonl``, the plot and ``summary.json``, and prints the summary.
+    ``estimate_bytes``: the dry-run's memory estimate per rank, shown beside the measured peak.
+    """
 
-    def __init__(self) -> None:
-        from hyperparallel.fsdp import comm_wait_seconds
+    def __init__(self, cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> None:
+        self.cfg_dict, self.estimate_bytes = cfg_dict, estimate_bytes
+        self.cfg = cfg = from_dict(cfg_dict)
+        torch.set_num_threads(_threads(cfg))
+        hp.comm.init()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        check_world(cfg, self.world)
+        self.accumulation = cfg.accumulation(self.world)
+        self.out = Path(cfg.output.dir)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.t_start = time.perf_counter()
 
-        self._waits = comm_wait_seconds
-        self.times = dict.fromkeys(PHASES, 0.0)
+        mesh = model_lib.build_mesh()
+        self.model = model_lib.build(cfg)
+        self.params = model_lib.count_params(self.model)
+        if cfg.model.activation_checkpointing:
+            model_lib.checkpoint_layers(self.model)
+        model_lib.shard(self.model, cfg, mesh)
+        self.optimizers = optim_lib.build(self.model, cfg)
+        self.loader = TokenLoader(
+            cfg.data.tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
+            micro_batch=cfg.train.micro_batch, dp_rank=self.rank, dp_size=self.world, seed=cfg.data.seed,
+        )
+        check_vocab(cfg, self.model.config.vocab_size)
+        hf = self.model.config
+        self.aux_coef = getattr(hf, "router_aux_loss_coef", 0.0) if getattr(hf, "output_router_logits", False) else 0.0
 
-    def reset(self) -> None:
-        self.times = dict.fromkeys(PHASES, 0.0)
+        self.manager = state_lib.manager(self.out / "checkpoints", cfg.checkpoint.keep_last)
+        self.step = self._resume()
+        self.stop = cfg.train.stop_at or cfg.train.steps
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.phases = report.Phases()
 
-    def run(self, name: str, fn, *args):
-        start, waited = time.perf_counter(), self._waits()
-        result = fn(*args)
-        wait = self._waits() - waited
-        self.times[name] += time.perf_counter() - start - wait
-        self.times["comm_wait"] += wait
-        return result
+    def _resume(self) -> int:
+        """The step to start from: the latest checkpoint's, loaded into model, optimizers and loader; else 0."""
+        if not self.cfg.checkpoint.resume or self.manager.latest() is None:
+            return 0
+        loaded = state_lib.full_state(self.model, self.optimizers, state_lib.trainer_state(0, self.loader, self.cfg_dict))
+        if self.manager.load_latest(loaded) is None:
+            raise RuntimeError(f"{self.manager.root}: the latest checkpoint vanished while loading")
+        step = state_lib.apply_state(self.model, self.optimizers, loaded, self.loader)
+        if self.rank == 0:
+            print(f"hyperparallel train: resumed from {self.manager.latest()} at step {step}", flush=True)
+        return step
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``accumulation`` micro-batches; its metrics record (same on every rank)."""
+        t0 = time.perf_counter()
+        self.phases.reset()
+        lr = optim_lib.lr_at(self.cfg, self.step)
+        optim_lib.set_lr(self.optimizers, lr)
+        losses = torch.zeros(2, dtype=torch.float64)  # lm loss, aux loss; summed over micro-batches
+        for micro in range(self.accumulation):
+            self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
+            ids = self.phases.run("data", self.loader.micro_batch, micro)
+            output = self.phases.run("forward", self._forward, ids)
+            aux = output.aux_loss.detach() if self.aux_coef and output.aux_loss is not None else torch.zeros(())
+            losses += torch.stack([output.loss.detach() - self.aux_coef * aux, aux]).double()
+            self.phases.run("backward", self._backward, output.loss)
+        grad_norm = self.phases.run("optimizer", self._optimizer_step)
+        self.loader.advance()
+        self.step += 1
+        losses = (losses / self.accumulation).float()
+        hp.comm.all_reduce(losses, "avg")
+        loss, aux_loss = losses.tolist()
+        wall = time.perf_counter() - t0
+        return {
+            "step": self.step, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / wall, "step_s": wall,
+            **{f"{k}_s": v for k, v in self.phases.times.items()}, "epoch": self.loader.epoch,
+        }
+
+    def _forward(self, ids: torch.Tensor):
+        return self.model(input_ids=ids, labels=ids)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()
+
+    def _optimizer_step(self) -> float:
+        norm = optim_lib.clip_grad_norm(self.model, self.cfg.train.max_grad_norm)
+        for opt in self.optimizers.values():
+            opt.step()
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        return norm
+
+    def train(self) -> dict[str, Any]:
+        """Steps until ``train.stop_at`` (or ``train.steps``), checkpointing as configured; this rank's
+        summary (rank 0's holds the whole run's, also in ``summary.json``)."""
+        cfg, first_step = self.cfg, self.step + 1
+        if self.step >= self.stop and self.rank == 0:
+            print(f"hyperparallel train: nothing to do: the checkpoint is at step {self.step} and the run stops at "
+                  f"{self.stop}; raise train.steps (or train.stop_at) to continue, or pass --overwrite to start "
+                  "afresh", flush=True)
+        metrics = report.Metrics(self.out / "metrics.jsonl", keep_until=self.step) if self.rank == 0 else None
+        progress = report.Progress(cfg.train.steps, self.step, cfg.output.log_every, cfg.output.progress and self.rank == 0)
+        records: list[dict[str, Any]] = []
+        saved: Path | None = None
+        t_loop = time.perf_counter()
+        while self.step < self.stop:
+            record = self.train_step()
+            records.append(record)
+            if metrics is not None:
+                metrics.write(record)
+            progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"])
+            saved = self._checkpoint() or saved
+        self.manager.wait()
+        progress.close()
+        loop_s = time.perf_counter() - t_loop
+
+        # Every rank's measurements, for rank 0's summary.
+        mine = {"peak_rss_bytes": rss_bytes(peak=True),
+                "per_step": [{"step_s": r["step_s"], **{p: r[f"{p}_s"] for p in report.PHASES}} for r in records]}
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        summary: dict[str, Any] = {"rank": self.rank, "peak_rss_bytes": mine["peak_rss_bytes"],
+                                   "steps_run": len(records)}
+        if self.rank == 0:
+            summary = report.summarize({
+                **summary, "model": type(self.model).__name__.removeprefix("HP"), "params": self.params,
+                "world_size": self.world, "optimizer": "+".join(self.optimizers),
+                "precision": cfg.model.mixed_precision, "patch": cfg.model.patch,
+                "activation_checkpointing": cfg.model.activation_checkpointing,
+                "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
+                "accumulation": self.accumulation, "seq_len": cfg.data.seq_len,
+                "first_step": first_step, "last_step": self.step,
+                "first_loss": records[0]["loss"] if records else None,
+                "last_loss": records[-1]["loss"] if records else None,
+                "tokens": len(records) * self.tokens_per_step, "wall_s": time.perf_counter() - self.t_start,
+                "loop_s": loop_s, "estimate_bytes_per_rank": self.estimate_bytes, "output_dir": str(self.out),
+                "checkpoint": str(saved) if saved else None, "plot": cfg.output.plot and bool(records),
+            }, gathered)
+            metrics.close()
+            if records:
+                if cfg.output.plot:
+                    report.plot(self.out / "metrics.jsonl", self.out / "loss.png")
+                (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+                print(report.summary_text(summary), flush=True)
+        dist.barrier()
+        return summary
+
+    def _checkpoint(self) -> Path | None:
+        """Save if this step is due (every ``checkpoint.every`` steps, and the last); where, or None."""
+        ckpt, step = self.cfg.checkpoint, self.step
+        last = step == self.stop and (ckpt.final or self.stop < self.cfg.train.steps)
+        if not ((ckpt.every and step % ckpt.every == 0) or last):
+            return None
+        snapshot = state_lib.full_state(self.model, self.optimizers,
+                                        state_lib.trainer_state(step, self.loader, self.cfg_dict))
+        return self.manager.save(step, snapshot, async_=ckpt.async_save)
 
 
 def _threads(cfg: Config) -> int:
@@ -52,153 +198,5 @@ def _threads(cfg: Config) -> int:
 
 
 def rank_main(cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> dict[str, Any]:
-    """Train one rank of the job ``cfg_dict`` describes; return this rank's summary.
-
-    Collective over every rank of the torch.distributed job (environment from torchrun
-    or ``hyperparallel train``). Rank 0 writes metrics.jsonl, the plot and summary.json.
-    """
-    import hyperparallel as hp
-
-    cfg = from_dict(cfg_dict)
-    torch.set_num_threads(_threads(cfg))
-    hp.comm.init()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    check_world(cfg, world)
-    accumulation = cfg.accumulation(world)
-    out = Path(cfg.output.dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-
-    mesh = model_lib.build_mesh()
-    model = model_lib.build(cfg)
-    params = model_lib.count_params(model)
-    vocab = model.config.vocab_size
-    if cfg.model.activation_checkpointing:
-        model_lib.checkpoint_layers(model)
-    model_lib.shard(model, cfg, mesh)
-    optimizers = optim_lib.build(model, cfg)
-    loader = data_lib.TokenLoader(
-        cfg.data.tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
-        micro_batch=cfg.train.micro_batch, dp_rank=rank, dp_size=world, seed=cfg.data.seed,
-    )
-    check_vocab(cfg, vocab)
-    coef = getattr(model.config, "router_aux_loss_coef", 0.0) if getattr(
-        model.config, "output_router_logits", False) else 0.0
-
-    manager = state_lib.manager(out / "checkpoints", cfg.checkpoint.keep_last)
-    step = 0
-    if cfg.checkpoint.resume and manager.latest() is not None:
-        loaded = state_lib.full_state(model, optimizers, state_lib.trainer_state(0, loader, cfg_dict))
-        if manager.load_latest(loaded) is None:
-            raise RuntimeError(f"{out / 'checkpoints'}: the latest checkpoint vanished while loading")
-        step = state_lib.apply_state(model, optimizers, loaded, loader)
-        del loaded
-        if rank == 0:
-            print(f"hyperparallel train: resumed from {manager.latest()} at step {step}", flush=True)
-    stop = cfg.train.stop_at or cfg.train.steps
-    if step >= stop and rank == 0:
-        print(f"hyperparallel train: nothing to do: the checkpoint is at step {step} and the run stops at {stop}; "
-              "raise train.steps (or train.stop_at) to continue, or pass --overwrite to start afresh", flush=True)
-    metrics = report.Metrics(out / "metrics.jsonl", keep_until=step) if rank == 0 else None
-    progress = report.Progress(cfg.train.steps, step, cfg.output.log_every, cfg.output.progress and rank == 0)
-    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    phases = _Phases()
-    per_step: list[dict[str, float]] = []
-    first_loss = last_loss = None
-    first_step = step + 1
-    saved: Path | None = None
-    t_loop = time.perf_counter()
-
-    def forward(ids):
-        return model(input_ids=ids, labels=ids)
-
-    def backward(loss):
-        (loss / accumulation).backward()
-
-    def optimizer_step():
-        norm = optim_lib.clip_grad_norm(model, cfg.train.max_grad_norm)
-        for opt in optimizers.values():
-            opt.step()
-        for opt in optimizers.values():
-            opt.zero_grad(set_to_none=True)
-        return norm
-
-    while step < stop:
-        t0 = time.perf_counter()
-        phases.reset()
-        lr = optim_lib.lr_at(cfg, step)
-        optim_lib.set_lr(optimizers, lr)
-        losses = torch.zeros(2, dtype=torch.float64)  # lm loss, aux loss; summed over micro-batches
-        for micro in range(accumulation):
-            model.set_requires_gradient_sync(micro == accumulation - 1)
-            ids = phases.run("data", loader.micro_batch, micro)
-            output = phases.run("forward", forward, ids)
-            aux = output.aux_loss.detach() if coef and output.aux_loss is not None else torch.zeros(())
-            losses += torch.stack([output.loss.detach() - coef * aux, aux]).double()
-            phases.run("backward", backward, output.loss)
-        grad_norm = phases.run("optimizer", optimizer_step)
-        loader.advance()
-        step += 1
-        losses = (losses / accumulation).float()
-        hp.comm.all_reduce(losses, "avg")
-        loss, aux_loss = losses.tolist()
-        wall = time.perf_counter() - t0
-        per_step.append({"step_s": wall, **phases.times})
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
-        if metrics is not None:
-            metrics.write({
-                "step": step, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / wall, "step_s": wall,
-                **{f"{k}_s": v for k, v in phases.times.items()}, "epoch": loader.epoch,
-            })
-        progress.update(step, loss, lr, tokens_per_step / wall)
-        every = cfg.checkpoint.every
-        if (every and step % every == 0) or (step == stop and (cfg.checkpoint.final or stop < cfg.train.steps)):
-            snapshot = state_lib.full_state(model, optimizers, state_lib.trainer_state(step, loader, cfg_dict))
-            saved = manager.save(step, snapshot, async_=cfg.checkpoint.async_save)
-    manager.wait()
-    progress.close()
-    loop_s = time.perf_counter() - t_loop
-
-    # Every rank's measurements, for rank 0's summary.
-    mine = {"peak_rss_bytes": report.peak_rss_bytes(), "per_step": per_step}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    steps_run = len(per_step)
-    summary: dict[str, Any] = {"rank": rank, "peak_rss_bytes": mine["peak_rss_bytes"], "steps_run": steps_run}
-    if rank == 0:
-        skip = 1 if steps_run > 3 else 0  # the first step builds plans and touches memory
-        split = {
-            name: statistics.fmean(statistics.fmean(r["per_step"][i][name] for r in gathered)
-                                   for i in range(skip, steps_run)) if steps_run else 0.0
-            for name in PHASES
-        }
-        walls = [max(r["per_step"][i]["step_s"] for r in gathered) for i in range(skip, steps_run)]
-        step_median = statistics.median(walls) if walls else 0.0
-        split["other"] = max(0.0, (statistics.fmean(walls) if walls else 0.0) - sum(split.values()))
-        names = list(optimizers)
-        summary.update({
-            "model": type(model).__name__.removeprefix("HP"), "params": params, "world_size": world,
-            "optimizer": "+".join(names), "precision": cfg.model.mixed_precision, "patch": cfg.model.patch,
-            "activation_checkpointing": cfg.model.activation_checkpointing,
-            "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
-            "accumulation": accumulation, "seq_len": cfg.data.seq_len,
-            "first_step": first_step, "last_step": step, "first_loss": first_loss, "last_loss": last_loss,
-            "tokens": steps_run * tokens_per_step, "wall_s": time.perf_counter() - t_start, "loop_s": loop_s,
-            "tokens_per_s": tokens_per_step / step_median if step_median else 0.0, "step_s_median": step_median,
-            "time_split_s": split,
-            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in gathered],
-            "estimate_bytes_per_rank": estimate_bytes,
-            "output_dir": str(out), "checkpoint": str(saved) if saved else None,
-            "plot": cfg.output.plot and steps_run > 0,
-        })
-        metrics.close()
-        if steps_run:
-            if cfg.output.plot:
-                report.plot(out / "metrics.jsonl", out / "loss.png")
-            (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            print(report.summary_text(summary), flush=True)
-    dist.barrier()
-    return summary
+    """Train one rank of the job ``cfg_dict`` describes; this rank's summary (the launchers' entry point)."""
+    return Trainer(cfg_dict, estimate_bytes).train()

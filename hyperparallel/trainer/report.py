@@ -3,30 +3,60 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
+PHASES = ("data", "forward", "backward", "optimizer", "comm_wait")
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size from the OS (``VmHWM``)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+class Phases:
+    """Wall time per phase of a step; waits on other ranks (hp.fsdp.comm_wait_seconds) are
+    taken out of the phase they happened in and counted as ``comm_wait``."""
+
+    def __init__(self) -> None:
+        from hyperparallel.fsdp import comm_wait_seconds
+
+        self._waits = comm_wait_seconds
+        self.times = dict.fromkeys(PHASES, 0.0)
+
+    def reset(self) -> None:
+        self.times = dict.fromkeys(PHASES, 0.0)
+
+    def run(self, name: str, fn, *args):
+        start, waited = time.perf_counter(), self._waits()
+        result = fn(*args)
+        wait = self._waits() - waited
+        self.times[name] += time.perf_counter() - start - wait
+        self.times["comm_wait"] += wait
+        return result
 
 
-def rss_bytes() -> int:
-    """This process's current resident set size (``VmRSS``)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+def summarize(run: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's summary: ``run`` (what it knows of the run) and what every rank measured.
+
+    ``ranks[r]`` holds rank r's ``peak_rss_bytes`` and ``per_step`` (its phase times per
+    step). A step takes as long as its slowest rank (the others wait for it); phases are
+    means over ranks. The first step is left out when there are more than 3: it builds
+    plans and touches memory.
+    """
+    steps = len(ranks[0]["per_step"])
+    kept = range(1 if steps > 3 else 0, steps)
+    split = {name: statistics.fmean(statistics.fmean(r["per_step"][i][name] for r in ranks) for i in kept)
+             if steps else 0.0 for name in PHASES}
+    walls = [max(r["per_step"][i]["step_s"] for r in ranks) for i in kept]
+    step_median = statistics.median(walls) if walls else 0.0
+    split["other"] = max(0.0, (statistics.fmean(walls) if walls else 0.0) - sum(split.values()))
+    return {
+        **run,
+        "tokens_per_s": run["global_batch"] * run["seq_len"] / step_median if step_median else 0.0,
+        "step_s_median": step_median,
+        "time_split_s": split,
+        "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+    }
 
 
 def human(n: float, unit: str = "") -> str:

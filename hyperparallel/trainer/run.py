@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import shutil
+import signal
 import sys
+import traceback
 from pathlib import Path
 
-from hyperparallel.trainer import data as data_lib
+from hyperparallel import _log
 from hyperparallel.trainer.config import (
     Config,
     ConfigError,
@@ -63,9 +67,9 @@ def check_output(cfg: Config, overwrite: bool) -> str:
         raise ConfigError(f"output.dir: {out} is a file; set output.dir to a directory")
     if overwrite or not out.exists() or not any(out.iterdir()):
         return "fresh"
-    from hyperparallel.trainer.state import has_checkpoint
+    from hyperparallel.trainer.state import latest_checkpoint
 
-    if cfg.checkpoint.resume and has_checkpoint(out / "checkpoints"):
+    if cfg.checkpoint.resume and latest_checkpoint(out / "checkpoints"):
         return "resume"
     raise ConfigError(
         f"output.dir: {out} already holds a run ({', '.join(sorted(p.name for p in out.iterdir())[:4])}) "
@@ -87,8 +91,9 @@ def ensure_tokens(cfg: Config) -> None:
     p = cfg.data.prepare
     print(f"hyperparallel train: {cfg.data.tokens} is missing; tokenizing {', '.join(p.text)} "
           f"({'training a BPE of ' + str(p.vocab_size) if p.tokenizer == 'bpe' else p.tokenizer})", flush=True)
-    meta = data_lib.prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size,
-                            eos_token=p.eos_token)
+    from hyperparallel.trainer.tokenize import prepare
+
+    meta = prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size, eos_token=p.eos_token)
     print(f"hyperparallel train: wrote {cfg.data.tokens}: {meta['num_tokens']:,} tokens", flush=True)
 
 
@@ -127,19 +132,76 @@ def main(argv: list[str]) -> int:
         print(f"hyperparallel train: {error}", file=sys.stderr)
         return 2
     estimate = _estimate_bytes(cfg, world)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from hyperparallel.launch import run
     from hyperparallel.trainer.loop import rank_main
 
     try:
-        run(rank_main, nproc=nproc, args=(cfg.to_dict(), estimate))
+        with _quiet_launcher():
+            run(rank_main, nproc=nproc, args=(cfg.to_dict(), estimate))
     except ChildFailedError as error:
         rank, first = error.get_first_failure()
-        print(f"hyperparallel train: rank {rank} failed (exit code {first.exitcode}); "
-              f"its error is above", file=sys.stderr)
+        print(_failure_text(rank, first), file=sys.stderr)
         return 1
+    except SignalException as error:  # the launcher was told to stop: torch elastic stopped the ranks with it
+        from hyperparallel.trainer.state import latest_checkpoint
+
+        latest = latest_checkpoint(Path(cfg.output.dir) / "checkpoints")
+        print(f"hyperparallel train: stopped by {error.sigval.name}, and the ranks with it; "
+              + (f"the latest complete checkpoint is {latest}: run the same command to resume from it"
+                 if latest else "no checkpoint was complete"), file=sys.stderr)
+        return 128 + error.sigval.value
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_launcher():
+    """torch elastic logs a failing rank's traceback with its prefix on every line, and its
+    own shutdown as warnings; the failure is reported once by _failure_text instead (HP_LOG=debug
+    lets them through)."""
+    if _log.level() <= logging.DEBUG:
+        yield
+        return
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+# What usually helps, for failures whose message cannot say it.
+_OUT_OF_MEMORY = ("lower train.micro_batch or turn on model.activation_checkpointing "
+                  "(`hyperparallel train --dry-run` estimates the memory per rank)")
+_FIXES = {"OutOfMemoryError": _OUT_OF_MEMORY, "MemoryError": _OUT_OF_MEMORY}
+
+
+def failure_text(rank: int, kind: str, message: str, trace: str | None) -> str:
+    """A rank's failure as one paragraph: rank, exception type, message, the fix where one is
+    known; the traceback follows only with ``HP_LOG=debug``."""
+    text = f"hyperparallel train: rank {rank} failed: {kind}: {message.strip()}"
+    if kind in _FIXES:
+        text += f"\n  fix: {_FIXES[kind]}"
+    if trace and _log.level() <= logging.DEBUG:
+        text += "\n" + trace.rstrip()
+    elif trace:
+        text += "\n  (HP_LOG=debug shows where it was raised)"
+    return text
+
+
+def _failure_text(rank: int, failure) -> str:
+    """failure_text for a rank torch elastic reports as failed (a ProcessFailure)."""
+    recorded = (failure.error_file_data or {}).get("message")
+    if isinstance(recorded, dict):  # what @record wrote: "Type: message" and the traceback
+        kind, _, message = str(recorded.get("message", "")).partition(": ")
+        return failure_text(rank, kind, message, recorded.get("extraInfo", {}).get("py_callstack"))
+    if failure.exitcode < 0:
+        name = signal.Signals(-failure.exitcode).name
+        return (f"hyperparallel train: rank {rank} was killed by {name} and left no error"
+                + (f"; the kernel's out-of-memory killer is the usual cause (see dmesg): {_OUT_OF_MEMORY}"
+                   if name == "SIGKILL" else ""))
+    return f"hyperparallel train: rank {rank} exited with code {failure.exitcode} and left no error"
 
 
 def _estimate_bytes(cfg: Config, world: int) -> int | None:
@@ -164,5 +226,10 @@ def _as_torchrun_rank(cfg: Config, overwrite: bool, mode: str) -> int:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         ensure_tokens(cfg)
     dist.barrier()
-    rank_main(cfg.to_dict(), None)
+    try:
+        rank_main(cfg.to_dict(), None)
+    except Exception as error:  # noqa: BLE001 -- reported as one paragraph; torchrun reports the exit code
+        print(failure_text(dist.get_rank(), type(error).__name__, str(error), traceback.format_exc()),
+              file=sys.stderr, flush=True)
+        return 1
     return 0

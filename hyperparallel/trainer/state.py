@@ -12,6 +12,7 @@ exact sample with the same random state on every rank.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,6 @@ def manager(root: str | os.PathLike, keep_last: int) -> CheckpointManager:
     return CheckpointManager(root, keep_last=keep_last)
 
 
-def has_checkpoint(root: str | os.PathLike) -> bool:
-    """Whether ``root`` holds a complete checkpoint (checked without starting ranks)."""
-    return CheckpointManager(root).latest() is not None
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None (checked without starting ranks)."""
+    return CheckpointManager(root).latest()

@@ -2,9 +2,11 @@
 #include <signal.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "hyperparallel/fabric/fabric.h"
@@ -152,6 +154,73 @@ TEST(Fabric, MismatchedAllocationsAreRefused) {
       return;
     }
     check(false, "mismatch accepted");
+  });
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+  EXPECT_TRUE(leftover_segments().empty());
+}
+
+TEST(Fabric, APeerThatNeverJoinsIsAnErrorNotAnAbort) {
+  // The constructor's first barrier raises while the heartbeat thread runs: the
+  // thread must be joined before the error leaves, or the process aborts.
+  char dir_template[] = "/tmp/hp-test-XXXXXX";
+  std::string dir = mkdtemp(dir_template);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int code = 2;
+    try {
+      fabric::FileBootstrap bootstrap(dir + "/bootstrap");
+      fabric::Options options;
+      options.timeout = std::chrono::milliseconds(500);
+      fabric::Fabric fab(fabric::Topology::make(0, 2, 0, 2, 0), bootstrap, options);  // rank 1 never comes
+    } catch (const fabric::FabricError& error) {
+      code = std::string(error.what()).find("rank 1 never joined") != std::string::npos ? 0 : 3;
+    }
+    _exit(code);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_TRUE(leftover_segments().empty());
+}
+
+TEST(Fabric, ARankThatShutsDownIsNamedAtOnceByAPeerWaitingForIt) {
+  auto exits = run_ranks(2, [](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    auto segment = fab->allocate(64);
+    auto* peer_saw_it = static_cast<std::atomic<int>*>(segment->data());
+    fab->barrier();
+    if (rank == 1) {
+      fab->shutdown();
+      fab->shutdown();  // idempotent
+      try {
+        fab->barrier();
+        check(false, "a barrier after shutdown returned");
+      } catch (const fabric::FabricError& error) {
+        check(std::string(error.what()).find("after hp.comm.shutdown()") != std::string::npos, error.what());
+      }
+      try {
+        fab->allocate(4096);
+        check(false, "an allocation after shutdown returned");
+      } catch (const fabric::FabricError& error) {
+      }
+      // Alive, but gone from the job: rank 0 must raise before this process ends
+      // (the mapping outlives shutdown()).
+      for (int i = 0; i < 60000 && peer_saw_it->load() == 0; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      check(peer_saw_it->load() == 1, "rank 0 raised only once this rank had ended");
+      return;
+    }
+    try {
+      fab->barrier();
+    } catch (const fabric::FabricError& error) {
+      peer_saw_it->store(1);
+      std::string message = error.what();
+      check(message.find("rank 1") != std::string::npos && message.find("left the job") != std::string::npos,
+            message);
+      return;
+    }
+    check(false, "barrier returned");
   });
   for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
   EXPECT_TRUE(leftover_segments().empty());

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,7 @@ from torch import nn
 
 import hyperparallel.checkpoint as ckpt
 from hyperparallel import _C
-from hyperparallel.checkpoint import _api
-from hyperparallel.checkpoint._storage import storage_type
+from hyperparallel.checkpoint._storage import Writer, storage_type
 
 
 def sample_state(seed: int = 0) -> dict:
@@ -126,6 +126,11 @@ def test_corrupted_and_truncated_files_are_refused(tmp_path):
         ckpt.load(blank(state), tmp_path / "c")
 
     ckpt.save(state, tmp_path / "c")
+    data.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp is missing"):
+        ckpt.load(blank(state), tmp_path / "c")
+
+    ckpt.save(state, tmp_path / "c")
     (tmp_path / "c/.metadata").write_bytes(b"garbage")
     with pytest.raises(ckpt.CheckpointError, match=r"\.metadata"):
         ckpt.load(blank(state), tmp_path / "c")
@@ -161,19 +166,22 @@ def test_manager_latest_and_keep_last(tmp_path):
     assert_equal(got, sample_state(3))
 
 
-def test_async_save_overlaps_training(tmp_path):
+def test_async_save_overlaps_training(tmp_path, monkeypatch):
     """The step runs while the save is held in flight; the checkpoint holds the state at the call."""
     torch.manual_seed(0)
     model = nn.Linear(16, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     written, release = threading.Event(), threading.Event()
+    write_data = Writer.write_data
 
-    def hold(path):
+    def write_and_hold(self, plan, planner):  # the real write, then held before the publish
+        result = write_data(self, plan, planner)
         written.set()
         release.wait()
+        return result
 
-    _api._after_write = hold
+    monkeypatch.setattr(Writer, "write_data", write_and_hold)
     try:
         manager = ckpt.CheckpointManager(tmp_path, keep_last=1)
         manager.save(5, {"model": model.state_dict(), "step": 5}, async_=True)
@@ -185,7 +193,6 @@ def test_async_save_overlaps_training(tmp_path):
         release.set()
         manager.wait()
     finally:
-        _api._after_write = None
         release.set()
     assert pending.done() and manager.latest() == tmp_path / "step_00000005"
     got = {"model": {k: torch.zeros_like(v) for k, v in before.items()}, "step": 0}
@@ -198,13 +205,15 @@ KILLED_CHILD = textwrap.dedent(
     """
     import sys, threading, torch
     import hyperparallel.checkpoint as ckpt
-    from hyperparallel.checkpoint import _api
+    from hyperparallel.checkpoint._storage import Writer
     manager = ckpt.CheckpointManager(sys.argv[1])
     manager.save(1, {"w": torch.arange(1000.0), "step": 1})
-    def hold(path):
+    write_data = Writer.write_data
+    def write_and_hold(self, plan, planner):  # the real write, then killed before the publish
+        write_data(self, plan, planner)
         print("WRITING", flush=True)
         threading.Event().wait()
-    _api._after_write = hold
+    Writer.write_data = write_and_hold
     manager.save(2, {"w": torch.arange(1000.0) * 2, "step": 2}, async_=True)
     threading.Event().wait()
     """
@@ -216,17 +225,63 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
     try:
         assert child.stdout.readline().strip() == "WRITING"
         assert (tmp_path / ".step_00000002.partial/__0_0.distcp").exists()  # step 2's data is on disk ...
+        ckpt.CheckpointManager(tmp_path)  # a live save's staging directory is not swept ...
+        assert (tmp_path / ".step_00000002.partial/__0_0.distcp").exists()
+        with pytest.raises(ckpt.CheckpointError, match="another live process is saving"):
+            ckpt.save({"w": torch.ones(3)}, tmp_path / "step_00000002")  # ... nor taken over
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    manager = ckpt.CheckpointManager(tmp_path)
-    assert manager.latest() == tmp_path / "step_00000001"  # ... but only step 1 is a checkpoint
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):
         ckpt.load({"w": torch.zeros(1000)}, tmp_path / "step_00000002")
+    manager = ckpt.CheckpointManager(tmp_path)  # sweeps the leftover no live save holds
+    assert manager.latest() == tmp_path / "step_00000001"  # ... and only step 1 is a checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
     got = {"w": torch.zeros(1000), "step": 0}
     assert manager.load_latest(got) == 1 and torch.equal(got["w"], torch.arange(1000.0))
-    manager.save(2, {"w": torch.ones(1000), "step": 2})  # the next save clears the leftover
+    manager.save(2, {"w": torch.ones(1000), "step": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_an_async_save_still_running_at_exit_is_finished_first(tmp_path):
+    """The process ends right after async_save returns: hp.comm.shutdown, at exit, waits for the save."""
+    script = ("import sys, torch, hyperparallel.checkpoint as ckpt\n"
+              "ckpt.async_save({'w': torch.arange(1 << 22, dtype=torch.float32)}, sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "c")], check=True, timeout=120)
+    got = {"w": torch.zeros(1 << 22)}
+    ckpt.load(got, tmp_path / "c")
+    assert torch.equal(got["w"], torch.arange(1 << 22, dtype=torch.float32))
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import os, sys, torch
+    import hyperparallel.checkpoint as ckpt
+    manager = ckpt.CheckpointManager(sys.argv[1])
+    manager.save(1, {"w": torch.arange(1000.0)})
+    try:
+        manager.save(2, {"w": torch.ones(1 << 20)})  # 4 MiB onto a 1 MiB file system
+    except ckpt.CheckpointError as error:
+        print("REFUSED", error)
+    print("LEFT", *sorted(os.listdir(sys.argv[1])))
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private tmpfs")
+def test_a_save_that_fails_on_a_full_disk_removes_its_partial(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    # A 1 MiB tmpfs in a private mount namespace: a real ENOSPC, seen by no other process.
+    command = f"mount -t tmpfs -o size=1m tmpfs {disk} && {sys.executable} {script} {disk}"
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", command], check=False, capture_output=True, text=True,
+                            timeout=120)
+    if result.returncode and "REFUSED" not in result.stdout:
+        pytest.skip(f"cannot mount a private tmpfs here: {result.stderr.strip()[-300:]}")
+    assert "No space left on device" in result.stdout, result.stdout + result.stderr
+    assert "LEFT step_00000001\n" in result.stdout, result.stdout  # no .step_00000002.partial behind
 
 
 def test_crc32_matches_zlib():

@@ -1,6 +1,7 @@
 """A rank killed or frozen mid-collective becomes a clear error on every other rank, not a hang."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,3 +80,17 @@ def test_next_job_sweeps_what_a_killed_job_left():
         process.wait()
     assert not os.path.exists(stale)
     assert _leftovers() == []
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private /dev/shm")
+def test_a_full_dev_shm_is_an_error_naming_the_fix():
+    """A 1 MiB /dev/shm in a private mount namespace: the 4 MiB buffer is refused when it is
+    made (fallocate), with the fix, not a SIGBUS when it is first touched."""
+    program = "import torch, hyperparallel as hp; hp.comm.init(); hp.comm.shared_empty((1 << 20,))"
+    command = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {sys.executable} -c '{program}'"
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", command], check=False, capture_output=True, text=True,
+                            timeout=120)
+    if "Traceback" not in result.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {result.stderr.strip()[-300:]}")
+    assert "cannot reserve" in result.stderr and "Free space in /dev/shm" in result.stderr, result.stderr
+    assert result.returncode == 1, result.stderr

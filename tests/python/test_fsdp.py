@@ -270,3 +270,28 @@ def errors() -> bool:
 
 def test_errors_name_the_problem():
     assert all(run(errors, nproc=2).values())
+
+
+# -- a root whose parameters all belong to nested groups -------------------------------------------
+def root_without_parameters() -> dict:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for how in ("hp", "torch"):
+        apply = hp.fully_shard if how == "hp" else torch_fully_shard
+        model = make_model()
+        for part in (*model.model.layers, model.model, model.lm_head):
+            apply(part)
+        apply(model)  # nothing left: torch accepts it, the root only drives the hooks
+        apply(nn.ReLU())  # no parameters at all
+        results[how] = (train(model, batches(world), rank, world), full_params(model))
+    return results
+
+
+def test_a_root_with_no_parameters_left_is_accepted_as_torch_does():
+    expected_losses, expected_params = single_process()
+    for result in run(root_without_parameters, nproc=2).values():
+        for losses, params in result.values():
+            assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
+            assert_params_close(params, expected_params, 1e-5)

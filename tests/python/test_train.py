@@ -7,6 +7,9 @@ it measured (and of a second, larger configuration's).
 """
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,12 +74,86 @@ def test_resume_reproduces_losses_bitwise(full_run):
     _train(*_short(tmp, "resumed", "train.stop_at=5", "model.activation_checkpointing=true"))
     assert [r["step"] for r in read_metrics(tmp / "resumed" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     result = _train(*_short(tmp, "resumed"))  # no --overwrite: continues from step 5
-    assert "resumed from" in result.stdout and "at step 5" in result.stdout
+    assert result.stdout.count("resumed from") == 1 and "at step 5" in result.stdout  # once, not per rank
     full = read_metrics(tmp / "full" / "metrics.jsonl")
     resumed = read_metrics(tmp / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(full, resumed):
         assert (a["step"], a["loss"], a["grad_norm"], a["lr"]) == (b["step"], b["loss"], b["grad_norm"], b["lr"])
+
+
+def test_a_failing_rank_is_one_clean_paragraph(full_run, tmp_path):
+    """Resuming from a corrupted checkpoint fails on the ranks: the user sees the error once, as a
+    paragraph naming the rank, the exception and the file, without torch elastic's log prefixes;
+    HP_LOG=debug adds the traceback."""
+    tmp, _ = full_run
+    out = tmp_path / "out"
+    shutil.copytree(tmp / "full", out)
+    data = out / "checkpoints" / f"step_{STEPS:08d}" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    args = [str(DEFAULT), "--nproc", "2", *_short(tmp, "out"), f"output.dir={out}", f"train.steps={STEPS + 1}"]
+    command = [sys.executable, "-m", "hyperparallel", "train", *args]
+    for debug in (False, True):
+        env = {**os.environ, "HP_LOG": "debug" if debug else "warning"}
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.count("hyperparallel train: rank ") == 1, result.stderr
+        assert "failed: CheckpointError: checkpoint file" in result.stderr and "is corrupted" in result.stderr
+        assert ("Traceback" in result.stderr) == debug, result.stderr
+        if not debug:
+            assert "api.py" not in result.stderr and len(result.stderr.splitlines()) == 2, result.stderr
+
+
+def test_a_stopped_launcher_stops_its_ranks_and_says_what_is_kept(full_run, tmp_path):
+    """SIGTERM to `hyperparallel train` (as a scheduler sends): the ranks stop with it, the
+    command says which checkpoint is complete and exits 128 + 15."""
+    tmp, _ = full_run
+    args = [*_short(tmp, "stopped"), f"output.dir={tmp_path / 'out'}", "train.steps=1000", "checkpoint.every=2",
+            "output.log_every=1", "output.plot=false"]
+    launcher = subprocess.Popen([sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", "2", *args],
+                                cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in launcher.stderr:
+            if line.startswith("step 3/"):  # past the step-2 checkpoint
+                break
+        ranks = [pid for pid in _children(launcher.pid) if b"spawn_main" in _cmdline(pid)]
+        launcher.send_signal(signal.SIGTERM)
+        rest = launcher.stderr.read()
+        assert launcher.wait(timeout=120) == 128 + signal.SIGTERM, rest
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert "hyperparallel train: stopped by SIGTERM, and the ranks with it; the latest complete checkpoint is" in rest
+    assert "Traceback" not in rest, rest
+    assert len(ranks) == 2 and not any(_running(pid) for pid in ranks)
+    assert (tmp_path / "out" / "checkpoints" / "step_00000002" / ".metadata").exists()
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ... ([] once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _stat(int(p))[1:2] == [str(pid)]]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    return _stat(pid)[:1] not in ([], ["Z"])  # gone, or dead and not yet reaped
 
 
 def _within(estimated: int, measured: list[int]) -> None:

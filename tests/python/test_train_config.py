@@ -12,7 +12,8 @@ import pytest
 
 from hyperparallel.cli import main
 from hyperparallel.trainer.config import ConfigError, load_config
-from hyperparallel.trainer.data import TokenLoader, prepare
+from hyperparallel.trainer.data import TokenLoader
+from hyperparallel.trainer.tokenize import prepare
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "examples" / "default.yaml"
@@ -132,6 +133,36 @@ def test_loader_shards_deterministically_and_resumes(tmp_path):
     for a, b in zip(two[60:], resumed):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(one[0], one[1])
+    other_seed = TokenLoader(tokens, seq_len=32, global_batch=8, micro_batch=4, dp_rank=0, dp_size=2, seed=6)
+    with pytest.raises(ValueError, match="needs the same token file, data.seq_len and data.seed"):
+        other_seed.load_state_dict({**TokenLoader(tokens, seq_len=32, global_batch=8, micro_batch=4, dp_rank=0,
+                                                  dp_size=2, seed=5).state_dict(), "position": 80})
+
+
+def test_a_bad_token_file_is_a_one_line_error(tmp_path, capsys):
+    """Not made by `data prepare`, garbage beside a valid .json, truncated: refused before any rank starts."""
+    text = tmp_path / "small.txt"
+    text.write_text((REPO / "examples/data/stories.txt").read_text()[:50_000])
+    good = tmp_path / "good.bin"
+    prepare([str(text)], good, tokenizer="bpe", vocab_size=300)
+    stray = tmp_path / "stray.bin"
+    stray.write_bytes(good.read_bytes())  # the right bytes, but no .json beside them
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(np.random.default_rng(0).integers(0, 255, good.stat().st_size, dtype=np.uint8).tobytes())
+    shutil.copy(good.with_suffix(".json"), garbage.with_suffix(".json"))
+    truncated = tmp_path / "truncated.bin"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    shutil.copy(good.with_suffix(".json"), truncated.with_suffix(".json"))
+    expected = {stray: "no metadata (stray.json is missing", garbage: "has no token file header",
+                truncated: "is truncated or was overwritten"}
+    for tokens, problem in expected.items():
+        status, err = _train([str(DEFAULT), *_base(tmp_path)[:1], f"data.tokens={tokens}",
+                              f"output.dir={tmp_path / 'out'}", "--dry-run"], capsys)
+        assert status == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"hyperparallel train: data.tokens: {tokens}") and problem in err, err
+        assert "hyperparallel data prepare" in err
+    assert main(["train", str(DEFAULT), *_base(tmp_path)[:1], f"data.tokens={good}", "--dry-run",
+                 f"output.dir={tmp_path / 'out'}"]) == 0
 
 
 def test_pretrained_directory_loads_its_weights(tmp_path, capsys):

@@ -100,6 +100,9 @@ class Communicator {
   Stats stats() const;
   void reset_stats();
 
+  // This rank leaves the job (fabric::Fabric::shutdown); idempotent.
+  void shutdown() { fabric_->shutdown(); }
+
  private:
   // The collectives for `tensor`'s device, made on first use.
   DeviceCollectives& device(const at::Tensor& tensor);

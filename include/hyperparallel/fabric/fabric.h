@@ -57,8 +57,6 @@ class Channel {
   Channel() = default;
   // Sets this rank's counter to `value` and wakes waiters.
   void post(uint64_t value) const;
-  // This rank's current counter.
-  uint64_t posted() const;
   // Blocks until every local rank's counter is >= value. `what` names the
   // operation in error messages.
   void wait_all(uint64_t value, const char* what) const;
@@ -73,8 +71,8 @@ class Channel {
   int index_ = -1;
 };
 
-// Raised on every rank when a peer died, froze, or a wait timed out. The
-// fabric is unusable afterwards.
+// Raised on every rank when a peer died, froze, left, or a wait timed out,
+// and by a wait after shutdown(). The fabric is unusable afterwards.
 class FabricError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -114,7 +112,13 @@ class Fabric {
   // waiter on every rank so that they raise FabricError naming it, and raises
   // it here too.
   [[noreturn]] void abort(const std::string& reason);
-  bool aborted() const;
+
+  // This rank leaves the job: joins the heartbeat thread, marks the rank gone
+  // (a peer still waiting for it raises at once, naming it, instead of
+  // waiting for the process to exit), and unlinks any segment name it still
+  // owns. Mappings stay valid for whoever holds them; every later wait
+  // raises FabricError. Idempotent; not collective.
+  void shutdown();
 
   // Global rank of local rank `local`.
   int global_rank_of(int local) const;
@@ -143,6 +147,9 @@ class Fabric {
   void heartbeat_loop();
   // The watchdog's look at the peers, from the heartbeat thread.
   void watch(int64_t& dead_since);
+  void stop_heartbeat();
+  // Raises FabricError after shutdown().
+  void check_open() const;
 
   Topology topology_;
   Options options_;
@@ -160,6 +167,7 @@ class Fabric {
   bool stop_heartbeat_ = false;
   std::atomic<bool> watchdog_{false};
   std::thread heartbeat_;
+  std::atomic<bool> shut_down_{false};
 };
 
 }  // namespace hp::fabric
