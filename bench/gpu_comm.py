@@ -1,13 +1,22 @@
 """All-gather and reduce-scatter on the device fabric vs Gloo-on-CUDA, against the device's
 own copy ceiling, and a GEMM's slowdown while an all-gather runs beside it.
 
-    python bench/gpu_comm.py                   # 1 MiB ... 1 GiB, 2 ranks
+    python bench/gpu_comm.py                   # 1 MiB ... 1 GiB, 1 rank then 2 ranks
     python bench/gpu_comm.py --max-mib 256 --nproc 2
 
-Run where the ranks have GPUs (scripts/gpu_check.sh does). With one GPU every rank shares it:
-the figures then measure the fabric's copies and kernels on one GPU's memory, not NVLink, and
-are labelled so. Times are CUDA-event medians on rank 0 of back-to-back calls between barriers,
-the systems alternated per repetition. Sizes are the full tensor (fp32):
+Run where the ranks have GPUs (scripts/gpu_check.sh does). Two passes:
+
+- one rank: what one GPU's own engines do, free of other processes. The reduce-scatter kernel
+  over one input (read once, written once) against a copy of the same bytes, and the GEMM
+  beside this rank's all-gather copies (copy engine vs SMs in one process: the situation of a
+  rank with a GPU of its own);
+- ``--nproc`` ranks: the collectives themselves. With one GPU every rank shares it and the
+  GPU time-slices their processes, so each rank's time includes the others' slices: the
+  bandwidth columns count the bytes *all* ranks move (aggregate), labelled "ranks share one
+  GPU: not NVLink".
+
+Times are CUDA-event medians on rank 0 of calls between barriers, the systems alternated per
+repetition. Sizes are the full tensor (fp32):
 
 - copy: one device-to-device copy of the full size (the ceiling: bytes read + written over time);
 - hp AG: ``all_gather_into_tensor`` (peers' rows pulled straight into place on the copy engines);
@@ -46,8 +55,57 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _gloo_reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
-    dist.reduce_scatter_tensor(out, full)
+def _measure_size(mib: int, repeats: int, skipped: list[str]) -> dict:
+    device = torch.cuda.current_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = mib * (1 << 20) // 4
+    n -= n % world
+    full = torch.randn(n, device=device)
+    mine = full[rank * (n // world) : (rank + 1) * (n // world)].clone()
+    out_full = torch.empty_like(full)
+    shard = torch.empty(n // world, device=device)
+    grad = hp.comm.symmetric_empty((n,), torch.float32, device=device)
+    grad.copy_(full)
+    copy_dst = torch.empty_like(full)
+
+    def copy():
+        if rank == 0:  # the ceiling: one process alone on the GPU
+            copy_dst.copy_(full)
+
+    def hp_all_gather():
+        hp.comm.all_gather_into_tensor(out_full, mine)
+
+    def hp_reduce_scatter():
+        hp.comm.acquire(grad)
+        hp.comm.reduce_scatter_symmetric(shard, grad)
+
+    def hp_reduce_scatter_copy():
+        hp.comm.reduce_scatter_tensor(shard, full)
+
+    def gloo_all_gather():
+        dist.all_gather_into_tensor(out_full, mine)
+
+    def gloo_reduce_scatter():
+        dist.reduce_scatter_tensor(shard, full)
+
+    systems = {"copy": copy, "hp AG": hp_all_gather, "hp RS": hp_reduce_scatter,
+               "hp RS copy": hp_reduce_scatter_copy, "gloo AG": gloo_all_gather, "gloo RS": gloo_reduce_scatter}
+    usable = {}
+    for name, fn in systems.items():  # warm up; drop what this build of Gloo cannot do
+        try:
+            fn()
+            torch.cuda.synchronize()
+            usable[name] = fn
+        except (RuntimeError, ValueError) as error:
+            skipped.append(f"{name} at {mib} MiB: {str(error).splitlines()[0]}")
+    times: dict[str, list[float]] = {name: [] for name in usable}
+    gloo_repeats = max(1, repeats // 5) if mib >= 64 else repeats
+    for index in range(repeats):
+        for name, fn in usable.items():  # alternated, so that drift hits every system alike
+            if name.startswith("gloo") and index >= gloo_repeats:
+                continue
+            times[name].append(_median_ms(fn, 1))
+    return {"mib": mib, **{name: statistics.median(values) for name, values in times.items()}}
 
 
 def measure(sizes_mib: list[int], repeats: int) -> dict:
@@ -55,58 +113,8 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
     device = hp.comm.device()
     torch.cuda.set_device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows_total = {}
-    results = []
-    for mib in sizes_mib:
-        n = mib * (1 << 20) // 4
-        n -= n % world
-        full = torch.randn(n, device=device)
-        mine = full[rank * (n // world) : (rank + 1) * (n // world)].clone()
-        out_full = torch.empty_like(full)
-        shard = torch.empty(n // world, device=device)
-        grad = hp.comm.symmetric_empty((n,), torch.float32, device=device)
-        grad.copy_(full)
-        copy_dst = torch.empty_like(full)
-
-        def copy():
-            copy_dst.copy_(full)
-
-        def hp_all_gather():
-            hp.comm.all_gather_into_tensor(out_full, mine)
-
-        def hp_reduce_scatter():
-            hp.comm.acquire(grad)
-            hp.comm.reduce_scatter_symmetric(shard, grad)
-
-        def hp_reduce_scatter_copy():
-            hp.comm.reduce_scatter_tensor(shard, full)
-
-        def gloo_all_gather():
-            dist.all_gather_into_tensor(out_full, mine)
-
-        def gloo_reduce_scatter():
-            _gloo_reduce_scatter(shard, full)
-
-        systems = {"copy": copy, "hp AG": hp_all_gather, "hp RS": hp_reduce_scatter,
-                   "hp RS copy": hp_reduce_scatter_copy, "gloo AG": gloo_all_gather, "gloo RS": gloo_reduce_scatter}
-        usable = {}
-        for name, fn in systems.items():  # warm up; drop what this build of Gloo cannot do
-            try:
-                fn()
-                torch.cuda.synchronize()
-                usable[name] = fn
-            except (RuntimeError, ValueError) as error:
-                rows_total.setdefault("skipped", []).append(f"{name} at {mib} MiB: {str(error).splitlines()[0]}")
-        times = {name: [] for name in usable}
-        gloo_repeats = max(1, repeats // 5) if mib >= 64 else repeats
-        for index in range(repeats):
-            for name, fn in usable.items():  # alternated, so that drift hits every system alike
-                if name.startswith("gloo") and index >= gloo_repeats:
-                    continue
-                times[name].append(_median_ms(fn, 1))
-        row = {"mib": mib, **{name: statistics.median(values) for name, values in times.items()}}
-        results.append(row)
-        del grad
+    skipped: list[str] = []
+    results = [_measure_size(mib, repeats, skipped) for mib in sizes_mib]
     # The GEMM beside an all-gather: rank 0 multiplies while every rank pulls.
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -147,8 +155,42 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
     dist.barrier()
     return {"rows": results, "gemm_alone_ms": statistics.median(alone) if alone else None,
             "gemm_beside_ms": statistics.median(beside) if beside else None,
-            "skipped": rows_total.get("skipped", []), "gpu": torch.cuda.get_device_name(device),
+            "skipped": skipped, "gpu": torch.cuda.get_device_name(device),
             "gpus": torch.cuda.device_count(), "world": world}
+
+
+def _report(result: dict) -> None:
+    world = result["world"]
+    shared = result["gpus"] < world
+    label = "ranks share one GPU: not NVLink" if shared else ("one rank" if world == 1 else "one GPU per rank")
+    print(f"\n{world} rank(s) on {result['gpus']} x {result['gpu']} ({label}); fp32, medians of CUDA events; "
+          "GB/s = bytes all ranks read and write / rank 0's time")
+    header = ["MiB", "copy GB/s", "hp AG GB/s", "hp RS GB/s", "RS/copy", "hp RS copy GB/s", "gloo AG GB/s",
+              "gloo RS GB/s", "AG hp/gloo", "RS hp/gloo"]
+    print(" | ".join(header))
+    for row in result["rows"]:
+        size = row["mib"] * (1 << 20)
+
+        def rate(name, moved, row=row):
+            return moved / (row[name] * 1e-3) / 1e9 if name in row else float("nan")
+
+        copy_bw = rate("copy", 2 * size)  # rank 0 alone: read + write
+        # Every rank's kernel reads its 1/world of every rank's buffer and writes 1/world.
+        rs_bw = rate("hp RS", world * (size + size / world))
+        # Every rank pulls the rows it lacks (read + write) and copies its own input in.
+        ag_bw = rate("hp AG", world * (2 * size * (world - 1) / world + 2 * size / world))
+        cells = [
+            row["mib"], copy_bw, ag_bw, rs_bw, rs_bw / copy_bw, rate("hp RS copy", world * size),
+            rate("gloo AG", world * size), rate("gloo RS", world * size),
+            row.get("gloo AG", float("nan")) / row["hp AG"], row.get("gloo RS", float("nan")) / row["hp RS copy"],
+        ]
+        print(" | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells))
+    if result["gemm_alone_ms"]:
+        slow = result["gemm_beside_ms"] / result["gemm_alone_ms"] - 1
+        print(f"8192^3 bf16 GEMM: {result['gemm_alone_ms']:.3f} ms alone, {result['gemm_beside_ms']:.3f} ms beside "
+              f"all-gathers of 256 MiB on the copy engines: {100 * slow:+.1f}% ({label})")
+    for line in result["skipped"]:
+        print("skipped:", line)
 
 
 def main() -> None:
@@ -159,38 +201,12 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     sizes = [s for s in (1, 4, 16, 64, 256, 1024) if s <= args.max_mib]
-    result = run(measure, nproc=args.nproc, args=(sizes, args.repeats))[0]
-    shared = result["gpus"] < result["world"]
-    label = "ranks share one GPU: not NVLink" if shared else "one GPU per rank"
-    print(f"{result['world']} ranks on {result['gpus']} x {result['gpu']} ({label}); fp32, medians of CUDA events")
-    header = ["MiB", "copy GB/s", "hp AG GB/s", "hp RS GB/s", "RS/copy", "hp RS copy GB/s", "gloo AG GB/s",
-              "gloo RS GB/s", "AG hp/gloo", "RS hp/gloo"]
-    print(" | ".join(header))
-    world = result["world"]
-    for row in result["rows"]:
-        size = row["mib"] * (1 << 20)
-
-        def rate(name, moved):
-            return moved / (row[name] * 1e-3) / 1e9 if name in row else float("nan")
-
-        copy_bw = rate("copy", 2 * size)  # read + write
-        # The RS kernel reads its 1/world of every rank's buffer (size bytes) and writes 1/world.
-        rs_bw = rate("hp RS", size + size / world)
-        cells = [
-            row["mib"], copy_bw, rate("hp AG", size), rs_bw, rs_bw / copy_bw, rate("hp RS copy", size),
-            rate("gloo AG", size), rate("gloo RS", size),
-            row.get("gloo AG", float("nan")) / row["hp AG"], row.get("gloo RS", float("nan")) / row["hp RS copy"],
-        ]
-        print(" | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells))
-    if result["gemm_alone_ms"]:
-        slow = result["gemm_beside_ms"] / result["gemm_alone_ms"] - 1
-        print(f"8192^3 bf16 GEMM: {result['gemm_alone_ms']:.3f} ms alone, {result['gemm_beside_ms']:.3f} ms beside "
-              f"an all-gather of 256 MiB on the copy engines: {100 * slow:+.1f}% ({label})")
-    for line in result["skipped"]:
-        print("skipped:", line)
+    results = [run(measure, nproc=n, args=(sizes, args.repeats))[0] for n in sorted({1, args.nproc})]
+    for result in results:
+        _report(result)
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(result, file, indent=1)
+            json.dump(results, file, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine: system packages, a venv with torch 2.13.0 (CPU),
-# the C++ core built into hyperparallel._C, and the C++ test build.
+# CUDA 13.0's compiler (the machine's nvcc, else pinned PyPI wheels), the C++
+# core built into hyperparallel._C, and the C++ test build. Without a GPU the
+# CUDA kernels are still compiled (warnings are errors), so CI keeps them honest.
 # Safe to rerun: each step is skipped or incremental when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,18 @@ fi
 # torch first and pinned, so that nothing below can pull another build.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -r requirements.txt
+
+# nvcc: the machine's if it has one, else CUDA 13.0's compiler wheels in the
+# venv. Their layout needs two links: nvcc.profile looks for lib64, and
+# CMake's FindCUDAToolkit for the unversioned libcudart.so.
+if ! command -v nvcc >/dev/null; then
+  .venv/bin/pip install -q nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
+    nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+  cuda=$(.venv/bin/python -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13'))")
+  ln -sfn lib "$cuda/lib64"
+  ln -sfn libcudart.so.13 "$cuda/lib/libcudart.so"
+  export PATH="$cuda/bin:$PATH" CUDAToolkit_ROOT="$cuda"
+fi
 # --no-build-isolation: build against the torch installed above.
 .venv/bin/pip install -q --no-build-isolation -e .
 

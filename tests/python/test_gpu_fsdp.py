@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_fsdp import MICRO, batches, make_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -16,7 +17,6 @@ from torch.distributed.tensor import DTensor
 
 import hyperparallel as hp
 from hyperparallel.launch import run
-from test_fsdp import MICRO, batches, make_model
 
 pytestmark = pytest.mark.gpu
 
