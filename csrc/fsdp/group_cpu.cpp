@@ -61,6 +61,7 @@ class CpuParamGroup : public ParamGroup {
  private:
   void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output);
 
+  std::shared_ptr<Context> context_;
   std::shared_ptr<comm::Communicator> communicator_;
   std::shared_ptr<Reducer> reducer_;
   GradWindows& grad_windows_;
@@ -100,7 +101,8 @@ comm::Window& GradWindows::next() {
 
 CpuParamGroup::CpuParamGroup(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
                              GroupOptions options)
-    : communicator_(context->communicator()),
+    : context_(context),
+      communicator_(context->communicator()),
       reducer_(context->reducer()),
       grad_windows_(context->backend<GradWindows>(c10::Device(c10::kCPU), [&] {
         return std::make_shared<GradWindows>(context->communicator(), 2);
@@ -158,7 +160,9 @@ void CpuParamGroup::publish() {
 
 void CpuParamGroup::wait_unshard() {
   if (!posted_) publish();
+  const auto started = std::chrono::steady_clock::now();
   communicator_->node().wait(compute_ ? *compute_ : params_);
+  context_->count_wait(started);
   posted_ = false;
 }
 
@@ -217,7 +221,9 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
 }
 
 std::vector<std::optional<at::Tensor>> CpuParamGroup::sharded_grads() {
+  const auto started = std::chrono::steady_clock::now();
   reducer_->wait(ticket_);
+  context_->count_wait(started);
   std::vector<std::optional<at::Tensor>> grads;
   for (std::size_t i = 0; i < shard_views_.size(); ++i) {
     if (!has_grad_.empty() && has_grad_[i]) {

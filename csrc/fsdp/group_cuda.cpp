@@ -180,6 +180,7 @@ class CudaParamGroup : public ParamGroup {
   int rank() const { return communicator_->node().rank(); }
   int ranks() const { return communicator_->node().size(); }
 
+  std::shared_ptr<Context> context_;
   std::shared_ptr<comm::Communicator> communicator_;
   std::shared_ptr<Reducer> reducer_;
   c10::Device device_;
@@ -205,7 +206,8 @@ class CudaParamGroup : public ParamGroup {
 
 CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
                                GroupOptions options)
-    : communicator_(context->communicator()),
+    : context_(context),
+      communicator_(context->communicator()),
       reducer_(context->reducer()),
       device_(params.at(0).device()),
       state_(context->backend<CudaState>(device_, [&] {
@@ -307,7 +309,9 @@ void CudaParamGroup::begin_unshard() {
   if (!allocated_) allocate_full();
   allocated_at_.record(compute());
   allocated_at_.wait(all_gather);
+  const auto started = std::chrono::steady_clock::now();
   shard_ready_->wait_all(publish_round_, all_gather, "unshard (waiting for peers' rows)");
+  context_->count_wait(started);
   const std::size_t esize = c10::elementSize(compute_dtype_);
   char* full = static_cast<char*>(full_flat_.data_ptr());
   const auto& sources = compute_shard_ ? compute_shard_->peers() : shard_->peers();
@@ -415,7 +419,9 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
 }
 
 std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {
+  const auto started = std::chrono::steady_clock::now();
   reducer_->wait(ticket_);
+  context_->count_wait(started);
   c10::DeviceGuard guard(device_);
   reduced_at_.wait(compute());
   std::vector<std::optional<at::Tensor>> grads;

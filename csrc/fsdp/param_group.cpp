@@ -24,6 +24,15 @@ std::mutex& factories_mutex() {
 Context::Context(std::shared_ptr<comm::Communicator> communicator)
     : communicator_(std::move(communicator)), reducer_(std::make_shared<Reducer>()) {}
 
+double Context::wait_seconds(bool reset) {
+  const int64_t ns = reset ? wait_ns_.exchange(0) : wait_ns_.load();
+  return double(ns) / 1e9;
+}
+
+void Context::count_wait(std::chrono::steady_clock::time_point since) {
+  wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
+}
+
 void register_group_factory(c10::DeviceType type, GroupFactory factory) {
   std::lock_guard<std::mutex> lock(factories_mutex());
   factories()[type] = factory;

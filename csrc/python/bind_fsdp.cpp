@@ -16,7 +16,8 @@ void bind_fsdp(py::module_& m) {
       .def(py::init<std::shared_ptr<comm::Communicator>>(), py::arg("communicator"))
       .def(
           "stop", [](fsdp::Context& context) { context.reducer()->stop(); },
-          py::call_guard<py::gil_scoped_release>());
+          py::call_guard<py::gil_scoped_release>())
+      .def("wait_seconds", &fsdp::Context::wait_seconds, py::arg("reset") = false);
   py::class_<ParamGroup, std::shared_ptr<ParamGroup>>(m, "ParamGroup")
       .def(py::init([](std::shared_ptr<fsdp::Context> context, const std::vector<at::Tensor>& params,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,

@@ -2,8 +2,7 @@
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from hyperparallel.fsdp._fully_shard import FSDPModule, fully_shard
-from hyperparallel.fsdp._state import comm_wait_seconds
+from hyperparallel.fsdp._fully_shard import FSDPModule, comm_wait_seconds, fully_shard
 
 __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "comm_wait_seconds", "fully_shard",

@@ -31,6 +31,12 @@ def _context() -> _C.FSDPContext:
     return _shared_context
 
 
+def comm_wait_seconds(reset: bool = False) -> float:
+    """Seconds this rank has waited on other ranks in hp.fully_shard's groups (unshard waits,
+    the end of each reduction), since the last reset; measured in C++ where the waits happen."""
+    return _shared_context.wait_seconds(reset) if _shared_context is not None else 0.0
+
+
 def _stop_context() -> None:
     """hp.comm.shutdown(): the pending reductions run, the reducer thread is joined; a later
     fully_shard makes a new context."""

@@ -14,7 +14,6 @@ on another rank is one call into C++, which also serves a C++ program without th
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,21 +25,6 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyperparallel import _C
-
-
-class _CommWait:
-    """Seconds this process's main thread spent blocked on other ranks (unshard waits, waits for
-    reductions at the end of backward), for benchmarks: see :func:`comm_wait_seconds`."""
-
-    seconds = 0.0
-
-
-def comm_wait_seconds(reset: bool = False) -> float:
-    """Seconds this rank's main thread has waited on communication (since the last reset)."""
-    seconds = _CommWait.seconds
-    if reset:
-        _CommWait.seconds = 0.0
-    return seconds
 
 
 class TrainingState(enum.Enum):
@@ -149,9 +133,7 @@ class GroupState:
         posted; on a device this waits for this iteration's pull."""
         if self.core is None or (self.unsharded and not self.on_device):
             return
-        start = time.perf_counter()
         self.core.wait_unshard()
-        _CommWait.seconds += time.perf_counter() - start
         if not self.unsharded:
             self.register(unsharded=True)
 
@@ -246,9 +228,7 @@ class GroupState:
             self.post_backward()
         if self.reduced:
             self.reduced = False
-            start = time.perf_counter()
             grads = self.core.sharded_grads()
-            _CommWait.seconds += time.perf_counter() - start
             for ref, grad in zip(self.refs, grads):
                 if grad is None:
                     continue

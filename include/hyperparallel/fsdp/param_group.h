@@ -22,6 +22,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <optional>
@@ -56,6 +58,11 @@ class Context {
   explicit Context(std::shared_ptr<comm::Communicator> communicator);
   const std::shared_ptr<comm::Communicator>& communicator() const { return communicator_; }
   const std::shared_ptr<Reducer>& reducer() const { return reducer_; }
+  // Seconds callers spent blocked on other ranks in the groups' waits
+  // (unshard, the end of a reduction), since the last reset: for benchmarks.
+  double wait_seconds(bool reset);
+  // Counts the time from `since` to now as waiting.
+  void count_wait(std::chrono::steady_clock::time_point since);
   // The backend's state for `device`, made by `make` on first use.
   template <typename State, typename Make>
   State& backend(c10::Device device, Make make) {
@@ -68,6 +75,7 @@ class Context {
   std::shared_ptr<comm::Communicator> communicator_;
   std::shared_ptr<Reducer> reducer_;
   std::map<std::string, std::shared_ptr<BackendState>> backends_;
+  std::atomic<int64_t> wait_ns_{0};
 };
 
 class ParamGroup {
