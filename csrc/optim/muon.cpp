@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <cstring>
 #include <numeric>
 #include <set>
@@ -29,9 +30,27 @@ double adjusted_lr(const StepOptions& options, int64_t rows, int64_t cols) {
 std::string shape_string(const std::vector<int64_t>& shape) { return c10::str(c10::IntArrayRef(shape)); }
 
 // What the one-pass elementwise kernels take; anything else takes ATen's ops.
-bool plain_fp32(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); }
+bool plain_fp32(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); }
+
+std::map<c10::DeviceType, MuonFactory>& muon_factories() {
+  static std::map<c10::DeviceType, MuonFactory> factories;
+  return factories;
+}
 
 }  // namespace
+
+void register_muon_factory(c10::DeviceType type, MuonFactory factory) { muon_factories()[type] = factory; }
+
+std::shared_ptr<MuonPlan> MuonPlan::create(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
+                                           c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device) {
+  if (device.is_cpu()) return std::make_shared<Muon>(std::move(params), comm, std::move(mesh), std::move(counterparts));
+  auto it = muon_factories().find(device.type());
+  TORCH_CHECK(it != muon_factories().end(), "hp.optim.Muon: parameters on ", device,
+              ", but this build of hyperparallel has no ", c10::DeviceTypeName(device.type()),
+              " backend; rebuild it against a torch with ", c10::DeviceTypeName(device.type()),
+              " (and nvcc on PATH for CUDA)");
+  return it->second(std::move(params), comm, std::move(mesh), std::move(counterparts), device);
+}
 
 Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
            c10::intrusive_ptr<c10d::ProcessGroup> counterparts)

@@ -41,16 +41,15 @@ void bind_optim(py::module_& m) {
              return optim::MeshLayout{std::move(shard), std::move(replica)};
            }),
            py::arg("shard"), py::arg("replica"));
-  py::class_<optim::Muon>(m, "Muon")
-      .def(py::init<std::vector<optim::ParamSpec>, comm::Communicator*, optim::MeshLayout,
-                    c10::intrusive_ptr<c10d::ProcessGroup>>(),
-           py::arg("params"), py::arg("comm"), py::arg("mesh"), py::arg("counterparts"),
+  py::class_<optim::MuonPlan, std::shared_ptr<optim::MuonPlan>>(m, "Muon")
+      .def(py::init(&optim::MuonPlan::create), py::arg("params"), py::arg("comm"), py::arg("mesh"),
+           py::arg("counterparts"), py::arg("device") = c10::Device(c10::kCPU),
            py::keep_alive<1, 3>(),  // the plan uses the communicator
            py::call_guard<py::gil_scoped_release>())
-      .def("step", &optim::Muon::step, py::arg("params"), py::arg("grads"), py::arg("momentum"),
+      .def("step", &optim::MuonPlan::step, py::arg("params"), py::arg("grads"), py::arg("momentum"),
            py::arg("options"), py::call_guard<py::gil_scoped_release>())
-      .def("owned", &optim::Muon::owned)
-      .def_property_readonly("balance", &optim::Muon::balance);
+      .def("owned", &optim::MuonPlan::owned)
+      .def_property_readonly("balance", &optim::MuonPlan::balance);
 }
 
 hp::python::Registrar registrar("optim", &bind_optim);

@@ -165,8 +165,12 @@ class Muon(torch.optim.Optimizer):
             _C.MuonParam(shape=list(p.shape), sharded=s, ns=_C.NsOptions(a=a, b=b, c=c, steps=steps, eps=eps))
             for p, s, (a, b, c, steps, eps) in zip(params, sharded, ns)
         ]
-        self._plan = None  # frees the old plan's shared buffer first
-        self._plan = _C.Muon(specs, comm, mesh, counterparts)
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"hp.optim.Muon: parameters on several devices {sorted(map(str, devices))}; "
+                             "use one optimizer per device")
+        self._plan = None  # frees the old plan's buffers first
+        self._plan = _C.Muon(specs, comm, mesh, counterparts, next(iter(devices)))
         self._plan_key, self._plan_params = key, params
         return self._plan
 
@@ -232,8 +236,8 @@ def _mesh_layout(params: list[DTensor]) -> _C.MeshLayout:
                 f"hp.optim.Muon: a parameter has placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                 "mesh; expected FSDP's (Shard(0),) on a 1-D mesh or HSDP's (Replicate(), Shard(0)) on a 2-D mesh"
             )
-    if mesh.device_type != "cpu":
-        raise ValueError(f"hp.optim.Muon: the mesh is on {mesh.device_type}; hp.comm's fabric is CPU memory")
+    if mesh.device_type not in ("cpu", "cuda"):
+        raise ValueError(f"hp.optim.Muon: the mesh is on {mesh.device_type}; hyperparallel shards CPU and CUDA")
     world = dist.get_world_size()
     if mesh.mesh.numel() != world:
         raise ValueError(

@@ -20,12 +20,18 @@
 // shared memory and each hand-over is a wait (hp::comm::Window rounds).
 // Parameters that are not sharded (plain tensors) are orthogonalised by the
 // rank that holds them, in private memory, as torch.optim.Muon would.
+//
+// On a GPU (muon_cuda.cpp) the same plan runs on device memory: each owner
+// pulls its matrices' rows from its peers' device buffers, orthogonalises
+// each pool in one batched bfloat16 Newton–Schulz (cuBLAS), and every rank
+// pulls its rows of the results (fabric::PeerMemory, copy engines).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -64,7 +70,32 @@ struct MeshLayout {
   std::vector<int64_t> shard, replica;
 };
 
-class Muon {
+// What hp.optim.Muon's Python class drives: a plan for one set of parameters.
+class MuonPlan {
+ public:
+  virtual ~MuonPlan() = default;
+  // One optimizer step. Each list holds this rank's local tensors (the shard
+  // of a sharded parameter), in the order of the ParamSpecs. Updates params
+  // and momentum in place. Collective when a parameter is sharded.
+  virtual void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& momentum, const std::vector<StepOptions>& options) = 0;
+  // The matrices this rank orthogonalises each step: (parameter, expert).
+  virtual std::vector<std::pair<int64_t, int64_t>> owned() const = 0;
+  // Largest over mean Newton–Schulz cost of the ranks' sharded matrices.
+  virtual double balance() const = 0;
+
+  // A plan for parameters on `device`: the CPU's (Muon, below) or a device
+  // backend's. Collective like the constructors.
+  static std::shared_ptr<MuonPlan> create(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
+                                          c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device);
+};
+
+using MuonFactory = std::shared_ptr<MuonPlan> (*)(std::vector<ParamSpec>, comm::Communicator*, MeshLayout,
+                                                  c10::intrusive_ptr<c10d::ProcessGroup>, c10::Device);
+// A device backend linked into the extension registers its plan.
+void register_muon_factory(c10::DeviceType type, MuonFactory factory);
+
+class Muon : public MuonPlan {
  public:
   // Builds the plan and allocates the node-shared buffer. Collective over
   // every rank of the job when a parameter is sharded; then `comm` is the
@@ -73,16 +104,10 @@ class Muon {
   Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
        c10::intrusive_ptr<c10d::ProcessGroup> counterparts);
 
-  // One optimizer step. Each list holds this rank's local tensors (the shard
-  // of a sharded parameter), in the order of the ParamSpecs. Updates params
-  // and momentum in place. Collective like the constructor.
   void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-            const std::vector<at::Tensor>& momentum, const std::vector<StepOptions>& options);
-
-  // The matrices this rank orthogonalises each step: (parameter, expert).
-  std::vector<std::pair<int64_t, int64_t>> owned() const;
-  // Largest over mean Newton–Schulz cost of the ranks' sharded matrices.
-  double balance() const { return assignment_.balance(); }
+            const std::vector<at::Tensor>& momentum, const std::vector<StepOptions>& options) override;
+  std::vector<std::pair<int64_t, int64_t>> owned() const override;
+  double balance() const override { return assignment_.balance(); }
 
  private:
   // Same-shape matrices with the same Newton–Schulz options, in one buffer.
