@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -51,6 +52,7 @@ EXPERTS_IMPLEMENTATION = "hyperparallel"
 SILU = ("silu", "swish")
 
 _warned_dtypes: set[frozenset[torch.dtype]] = set()
+_warned_devices: set[tuple[str, str]] = set()
 
 
 def _config(module: torch.nn.Module):
@@ -62,13 +64,33 @@ def _attn_implementation(config) -> str:
     return (config._attn_implementation if config is not None else None) or "eager"
 
 
-def _fusable(*tensors: Tensor, same_dtype: bool = True) -> bool:
-    """Whether the kernels take these tensors: float32 or bfloat16, and one dtype if ``same_dtype``.
+@functools.cache
+def _has_kernel(op: str, device_type: str) -> bool:
+    """Whether hyperparallel::<op> has a kernel for this device type in this build."""
+    if device_type in ("cpu", "meta"):
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"hyperparallel::{op}", device_type.upper())
 
-    When they do not (an fp16 or float64 model), the caller runs HF's forward
-    for that call instead; the first such call for each set of dtypes warns.
-    The check reads only dtypes, so torch.compile resolves it while tracing.
+
+def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
+    """Whether the kernel ``op`` takes these tensors: on a device it has a kernel for (the CPU;
+    CUDA as the CUDA kernels land), float32 or bfloat16, and one dtype if ``same_dtype``.
+
+    When it does not (an fp16 or float64 model, a GPU op without its CUDA
+    kernel yet), the caller runs HF's forward for that call instead; the first
+    such call for each set of dtypes or device warns. The check reads only
+    dtypes and device types, so torch.compile resolves it while tracing.
     """
+    device_type = tensors[0].device.type
+    if not _has_kernel(op, device_type):
+        if (op, device_type) not in _warned_devices and not torch.compiler.is_compiling():
+            _warned_devices.add((op, device_type))
+            warnings.warn(
+                f"hp.nn: hyperparallel::{op} has no {device_type} kernel in this build; these calls run HF's "
+                "module instead",
+                stacklevel=3,
+            )
+        return False
     dtypes = frozenset(t.dtype for t in tensors)
     if dtypes <= frozenset(FUSED_DTYPES) and (len(dtypes) == 1 or not same_dtype):
         return True
@@ -87,7 +109,7 @@ class FusedRMSNorm:
     """HF RMSNorm as one pass forward and one backward (``hyperparallel::rms_norm``)."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if not _fusable(hidden_states, self.weight, same_dtype=False):
+        if not _fusable("rms_norm", hidden_states, self.weight, same_dtype=False):
             return super().forward(hidden_states)
         return _ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -173,7 +195,7 @@ class FusedAttention:
             past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) > 0
         ):
             return True
-        return not _fusable(hidden_states, self.q_norm.weight, self.k_norm.weight)
+        return not _fusable("attention", hidden_states, self.q_norm.weight, self.k_norm.weight)
 
 
 class FusedSwiGLU:
@@ -181,7 +203,7 @@ class FusedSwiGLU:
 
     def forward(self, x: Tensor) -> Tensor:
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        if not _fusable(x, *weights):
+        if not _fusable("swiglu_mlp", x, *weights):
             return super().forward(x)
         return _ops.swiglu_mlp(x, *weights)
 
@@ -198,7 +220,7 @@ class FusedRouter:
     """Router logits, float32 softmax, top-k and renormalisation (``hyperparallel::moe_router``)."""
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if not _fusable(hidden_states, self.weight):
+        if not _fusable("moe_router", hidden_states, self.weight):
             return super().forward(hidden_states)
         flat = hidden_states.reshape(-1, self.hidden_dim)
         return _ops.moe_router(flat, self.weight, self.top_k, self.norm_topk_prob)
@@ -245,7 +267,7 @@ def experts_forward(
     model's config object) and dtypes other than float32/bfloat16 run HF's
     eager loop over experts, the reference the kernel reproduces.
     """
-    if isinstance(module, FusedExperts) and _fusable(hidden_states, module.gate_up_proj, module.down_proj):
+    if isinstance(module, FusedExperts) and _fusable("moe_experts", hidden_states, module.gate_up_proj, module.down_proj):
         return _ops.moe_experts(
             hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights
         )
@@ -331,7 +353,7 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         aux_loss = None
         if output_router_logits:
             router_logits = torch.stack(outputs.router_logits)
-            if _fusable(router_logits):
+            if _fusable("moe_aux_loss", router_logits):
                 aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
             else:
                 aux_loss = qwen3_moe.load_balancing_loss_func(
