@@ -4,7 +4,7 @@
 # Logs go to $OUT (default: runs/gpu_check). Each step has its own time limit and the script goes
 # on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
 #
-#   bash scripts/gpu_check.sh                 # everything, about 6 minutes on an H200
+#   bash scripts/gpu_check.sh                 # everything, about 9 minutes on an H200 (build 2, tests 4, benches 3)
 #   STEPS="build test" bash scripts/gpu_check.sh
 #   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
 #                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
@@ -74,7 +74,8 @@ tests() {
   local per_test=()
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=100)
   "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 "${per_test[@]}" \
-    tests/python/test_gpu_comm.py tests/python/test_gpu_fsdp.py
+    tests/python/test_gpu_comm.py tests/python/test_gpu_fsdp.py tests/python/test_gpu_optim.py \
+    tests/python/test_gpu_nn.py
   local status=$?
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv  # what the tests left on the GPU
   return $status
@@ -82,14 +83,15 @@ tests() {
 
 bench() {
   "$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 12 --json "$OUT/gpu_comm.json"
+  "$PYTHON" bench/gpu_headline.py
 }
 
 export PYTHON OUT HP_PREBUILT
 export -f probe build tests bench
 step probe 60 probe
 step build 240 build
-step test 330 tests
-step bench 150 bench
+step test 360 tests
+step bench 300 bench
 
 if ((${#failed[@]})); then
   echo "gpu_check: failed steps: ${failed[*]} (logs in $OUT)"
