@@ -250,3 +250,23 @@ def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     if len(a) != len(b):
         raise ValueError(f"loss curves differ in length: {len(a)} vs {len(b)}")
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def cuda_event_ms(fn: Callable[[], object], repeats: int = 1, warmup: int = 0, barrier: bool = False) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream, by CUDA events (the GPU
+    benchmarks' one clock). ``barrier``: ranks start each repetition together."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            dist.barrier()
+            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

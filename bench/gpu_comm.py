@@ -35,24 +35,10 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from _timing import cuda_event_ms
 
 import hyperparallel as hp
 from hyperparallel.launch import run
-
-
-def _median_ms(fn, repeats: int) -> float:
-    """Median milliseconds of one call on this rank's current stream, between barriers."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _measure_size(mib: int, repeats: int, skipped: list[str]) -> dict:
@@ -104,7 +90,7 @@ def _measure_size(mib: int, repeats: int, skipped: list[str]) -> dict:
         for name, fn in usable.items():  # alternated, so that drift hits every system alike
             if name.startswith("gloo") and index >= gloo_repeats:
                 continue
-            times[name].append(_median_ms(fn, 1))
+            times[name].append(cuda_event_ms(fn, barrier=True))
     return {"mib": mib, **{name: statistics.median(values) for name, values in times.items()}}
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _timing import cuda_event_ms
 from torch import nn
 
 import hyperparallel as hp
@@ -35,22 +36,6 @@ from hyperparallel.launch import run
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3-moe-1b.config.json"
 NS = (3.4445, -4.775, 2.0315)
-
-
-def _timed(fn, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _batched_ns(x: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -95,7 +80,7 @@ def muon_part(layers: int, repeats: int) -> list[str]:
         fn()  # warm-up: plans, cuBLAS handles
     for _ in range(repeats):
         for name, fn in systems.items():
-            times[name].append(_timed(fn, 1, warmup=0))
+            times[name].append(cuda_event_ms(fn))
     t = {name: statistics.median(v) for name, v in times.items()}
     count = layers * shape[0]
     return [
@@ -144,8 +129,8 @@ def modules_part(repeats: int) -> list[str]:
         times = {"hf": [], "hp": []}
         theirs(), mine()
         for _ in range(repeats):
-            times["hf"].append(_timed(theirs, 1, warmup=0))
-            times["hp"].append(_timed(mine, 1, warmup=0))
+            times["hf"].append(cuda_event_ms(theirs))
+            times["hp"].append(cuda_event_ms(mine))
         hf_ms, hp_ms = statistics.median(times["hf"]), statistics.median(times["hp"])
         lines.append(f"modules: {name}: HF {hf_ms:.3f} ms, hp {hp_ms:.3f} ms: {hf_ms / hp_ms:.2f}x (seq {seq}, bf16)")
     lines.append(f"modules: {report}")

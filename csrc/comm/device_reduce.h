@@ -59,21 +59,8 @@ struct Args {
   uint64_t first_tile[kMaxSegments + 1];
 };
 
-template <typename T>
-HP_HD float to_float(T value) {
-  if constexpr (sizeof(T) == 2)
-    return simd::bf16_to_float(value);
-  else
-    return value;
-}
-
-template <typename T>
-HP_HD T from_float(float value) {
-  if constexpr (sizeof(T) == 2)
-    return simd::float_to_bf16(value);
-  else
-    return value;
-}
+using simd::from_float;
+using simd::to_float;
 
 // Elements of T in 16 bytes.
 template <typename T>

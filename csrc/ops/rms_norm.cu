@@ -22,21 +22,8 @@ constexpr int kWarps = kThreads / 32;
 
 using bf16_bits = uint16_t;
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (sizeof(T) == 2)
-    return simd::bf16_to_float(v);
-  else
-    return v;
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (sizeof(T) == 2)
-    return simd::float_to_bf16(v);
-  else
-    return v;
-}
+using simd::from_float;
+using simd::to_float;
 
 // The sum over the block, the same on every thread.
 __device__ float block_sum(float value, float* shared) {
@@ -127,13 +114,16 @@ void check_launch(const char* what) {
                              cudaGetErrorString(status));
 }
 
-// Calls f.template operator()<T>() with T the C++ type of dtype.
+// Calls f(x, w, y) with values of the C++ types of the three dtypes (tags).
 template <typename F>
-void with_type(DType dtype, F&& f) {
-  if (dtype == DType::F32)
-    f(float{});
-  else
-    f(bf16_bits{});
+void with_types(DType xt, DType wt, DType yt, F&& f) {
+  auto one = [](DType dtype, auto&& next) {
+    if (dtype == DType::F32)
+      next(float{});
+    else
+      next(bf16_bits{});
+  };
+  one(xt, [&](auto x) { one(wt, [&](auto w) { one(yt, [&](auto y) { f(x, w, y); }); }); });
 }
 
 }  // namespace
@@ -141,16 +131,12 @@ void with_type(DType dtype, F&& f) {
 void rms_norm_forward(DType xt, const void* x, DType wt, const void* w, DType yt, void* y, float* rstd, int64_t rows,
                       int64_t n, float eps, void* stream) {
   if (rows == 0) return;
-  with_type(xt, [&](auto xtag) {
-    with_type(wt, [&](auto wtag) {
-      with_type(yt, [&](auto ytag) {
-        using Tx = decltype(xtag);
-        using Tw = decltype(wtag);
-        using Ty = decltype(ytag);
-        forward_kernel<Tx, Tw, Ty><<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            static_cast<const Tx*>(x), static_cast<const Tw*>(w), static_cast<Ty*>(y), rstd, n, eps);
-      });
-    });
+  with_types(xt, wt, yt, [&](auto xtag, auto wtag, auto ytag) {
+    using Tx = decltype(xtag);
+    using Tw = decltype(wtag);
+    using Ty = decltype(ytag);
+    forward_kernel<Tx, Tw, Ty><<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const Tx*>(x), static_cast<const Tw*>(w), static_cast<Ty*>(y), rstd, n, eps);
   });
   check_launch("forward");
 }
@@ -159,20 +145,16 @@ void rms_norm_backward(DType yt, const void* dy, DType xt, const void* x, DType 
                        void* dx, float* dw_partial, int64_t partials, int64_t rows, int64_t n, void* stream) {
   if (rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
-  with_type(xt, [&](auto xtag) {
-    with_type(wt, [&](auto wtag) {
-      with_type(yt, [&](auto ytag) {
-        using Tx = decltype(xtag);
-        using Tw = decltype(wtag);
-        using Ty = decltype(ytag);
-        backward_kernel<Tx, Tw, Ty><<<unsigned(rows), kThreads, 0, s>>>(
-            static_cast<const Ty*>(dy), static_cast<const Tx*>(x), static_cast<const Tw*>(w), rstd,
-            static_cast<Tx*>(dx), n);
-        const dim3 grid(unsigned((n + kColumns - 1) / kColumns), unsigned(partials));
-        weight_grad_kernel<Tx, Ty><<<grid, kThreads, 0, s>>>(static_cast<const Ty*>(dy), static_cast<const Tx*>(x),
-                                                             rstd, dw_partial, rows, n);
-      });
-    });
+  with_types(xt, wt, yt, [&](auto xtag, auto wtag, auto ytag) {
+    using Tx = decltype(xtag);
+    using Tw = decltype(wtag);
+    using Ty = decltype(ytag);
+    backward_kernel<Tx, Tw, Ty><<<unsigned(rows), kThreads, 0, s>>>(
+        static_cast<const Ty*>(dy), static_cast<const Tx*>(x), static_cast<const Tw*>(w), rstd, static_cast<Tx*>(dx),
+        n);
+    const dim3 grid(unsigned((n + kColumns - 1) / kColumns), unsigned(partials));
+    weight_grad_kernel<Tx, Ty><<<grid, kThreads, 0, s>>>(static_cast<const Ty*>(dy), static_cast<const Tx*>(x), rstd,
+                                                         dw_partial, rows, n);
   });
   check_launch("backward");
 }

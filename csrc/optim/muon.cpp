@@ -5,27 +5,20 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <set>
 
 #include "hyperparallel/comm/c10d.h"
 #include "hyperparallel/comm/reduce.h"
 #include "muon_kernels.h"
+#include "muon_plan.h"
 
 namespace hp::optim {
 namespace {
 
 constexpr int64_t kAlign = 64;  // pools start on cache lines
-
-// torch.optim.Muon's _adjust_lr, per matrix.
-double adjusted_lr(const StepOptions& options, int64_t rows, int64_t cols) {
-  const double ratio = options.adjust_lr == AdjustLr::MatchRmsAdamw
-                           ? 0.2 * std::sqrt(double(std::max(rows, cols)))
-                           : std::sqrt(std::max(1.0, double(rows) / double(cols)));
-  return options.lr * ratio;
-}
 
 std::string shape_string(const std::vector<int64_t>& shape) { return c10::str(c10::IntArrayRef(shape)); }
 
@@ -120,7 +113,7 @@ void Muon::plan_owners() {
     const Pool& pool = pools_[matrices_[k].pool];
     if (!pool.shared) continue;
     sharded.push_back(k);
-    costs.push_back(pool.rows * pool.cols * std::min(pool.rows, pool.cols));
+    costs.push_back(plan::ns_cost(pool.rows, pool.cols));
     std::vector<int> home;
     for (int g = 0; g < world_; ++g)
       if (shard_rows(matrices_[k], mesh_.shard[g]).second == pool.rows) home.push_back(g);
@@ -165,14 +158,7 @@ void Muon::allocate_slots() {
 }
 
 std::pair<int64_t, int64_t> Muon::shard_rows(const Matrix& matrix, int64_t shard) const {
-  const auto& shape = params_[matrix.param].shape;
-  if (shape.size() == 3) {
-    const comm::Range experts = comm::chunk(shape[0], int(shards_), int(shard));
-    const bool held = matrix.expert >= int64_t(experts.begin) && matrix.expert < int64_t(experts.end);
-    return {0, held ? shape[1] : 0};
-  }
-  const comm::Range rows = comm::chunk(shape[0], int(shards_), int(shard));
-  return {int64_t(rows.begin), int64_t(rows.size())};
+  return plan::held_rows(params_[matrix.param].shape, shards_, shard, matrix.expert);
 }
 
 int64_t Muon::writer(int node, int64_t shard) const {
@@ -386,7 +372,7 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     if (!one_pass) param.mul_(1.0 - o.lr * o.weight_decay);
     for (const Piece& piece : pieces_[i]) {
       const Pool& pool = pools_[matrices_[piece.matrix].pool];
-      const double alpha = -adjusted_lr(o, pool.rows, pool.cols);
+      const double alpha = -plan::adjusted_lr(o, pool.rows, pool.cols);
       at::Tensor rows = local_rows(param, piece), slot = slot_rows(piece);
       if (one_pass)
         kernels.apply(rows.data_ptr<float>(), static_cast<const simd::bf16*>(slot.const_data_ptr()), rows.numel(),

@@ -33,6 +33,7 @@
 #include "hyperparallel/comm/communicator.h"
 #include "hyperparallel/fabric/device.h"
 #include "hyperparallel/optim/muon.h"
+#include "muon_plan.h"
 
 namespace hp::optim {
 namespace {
@@ -40,14 +41,6 @@ namespace {
 constexpr int64_t kAlign = 256;  // sections and pools start where cudaMalloc's own alignment would
 
 int64_t align_up(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-// torch.optim.Muon's _adjust_lr, per matrix.
-double adjusted_lr(const StepOptions& options, int64_t rows, int64_t cols) {
-  const double ratio = options.adjust_lr == AdjustLr::MatchRmsAdamw
-                           ? 0.2 * std::sqrt(double(std::max(rows, cols)))
-                           : std::sqrt(std::max(1.0, double(rows) / double(cols)));
-  return options.lr * ratio;
-}
 
 fabric::StreamHandle current_stream(c10::Device device) {
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
@@ -158,7 +151,7 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     const Pool& pool = pools_[matrices_[k].pool];
     if (!pool.sharded) continue;
     sharded.push_back(k);
-    costs.push_back(pool.rows * pool.cols * std::min(pool.rows, pool.cols));
+    costs.push_back(plan::ns_cost(pool.rows, pool.cols));
     std::vector<int> home;
     for (int g = 0; g < ranks_; ++g)
       if (shard_rows(matrices_[k], g).second == pool.rows) home.push_back(g);
@@ -244,13 +237,7 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
 std::pair<int64_t, int64_t> DeviceMuon::shard_rows(const Matrix& matrix, int64_t shard) const {
   const auto& shape = params_[matrix.param].shape;
   if (!params_[matrix.param].sharded) return {0, shard == rank_ ? shape[shape.size() - 2] : 0};
-  if (shape.size() == 3) {
-    const comm::Range experts = comm::chunk(shape[0], int(shards_), int(shard));
-    const bool held = matrix.expert >= int64_t(experts.begin) && matrix.expert < int64_t(experts.end);
-    return {0, held ? shape[1] : 0};
-  }
-  const comm::Range rows = comm::chunk(shape[0], int(shards_), int(shard));
-  return {int64_t(rows.begin), int64_t(rows.size())};
+  return plan::held_rows(shape, shards_, shard, matrix.expert);
 }
 
 int64_t DeviceMuon::owned_at(const Matrix& matrix, int64_t row) const {
@@ -322,7 +309,8 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
       const Matrix& matrix = matrices_[k];
       if (shard_rows(matrix, rank_).second == 0) continue;
       const Pool& pool = pools_[matrix.pool];
-      local_rows(params[i], params_[i], matrix, shards_, rank_).add_(my_rows(matrix), -adjusted_lr(o, pool.rows, pool.cols));
+      const double alpha = -plan::adjusted_lr(o, pool.rows, pool.cols);
+      local_rows(params[i], params_[i], matrix, shards_, rank_).add_(my_rows(matrix), alpha);
     }
   }
 }

@@ -31,6 +31,24 @@ inline HP_SIMD_HD uint16_t float_to_bf16(float value) {
   return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// A float32 or bfloat16 element (its bits as uint16_t) to float32 and back:
+// what kernels templated on the element type read and write.
+template <typename T>
+inline HP_SIMD_HD float to_float(T value) {
+  if constexpr (sizeof(T) == 2)
+    return bf16_to_float(value);
+  else
+    return value;
+}
+
+template <typename T>
+inline HP_SIMD_HD T from_float(float value) {
+  if constexpr (sizeof(T) == 2)
+    return float_to_bf16(value);
+  else
+    return value;
+}
+
 // A bfloat16 element in memory (layout-compatible with c10::BFloat16 and
 // torch's bfloat16 tensors' storage).
 struct bf16 {

@@ -2,18 +2,17 @@
 GPUs there are (several ranks on one GPU map each other's memory through CUDA IPC)."""
 
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_faults import fail_one, start_ranks
 from torch.testing import assert_close
 
 import hyperparallel as hp
-from hyperparallel.launch import free_port, run
+from hyperparallel.launch import run
 
 pytestmark = pytest.mark.gpu
 
@@ -130,7 +129,7 @@ hp.comm.init()
 device = hp.comm.device()
 torch.cuda.set_device(device)
 x = torch.ones(1 << 22, device=device)
-print("looping", os.getpid(), flush=True)
+print("looping", flush=True)
 while True:
     hp.comm.all_reduce(x, op="avg")
     hp.comm.reduce_scatter_tensor(torch.empty_like(hp.comm.local_rows(x)), x)
@@ -146,35 +145,9 @@ def _gpu_pids() -> set[int]:
 
 def test_killed_rank_is_named_within_30s_and_nothing_is_left():
     world, victim = 3, 1
-    port = free_port()
-    ranks = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   HP_HEARTBEAT_TIMEOUT="5")
-        ranks.append(subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    pids = set()
-    for process in ranks:
-        words = process.stdout.readline().split()
-        assert words[:1] == ["looping"], process.stderr.read()
-        pids.add(int(words[1]))
-    time.sleep(1.0)  # well inside the loop: the victim dies mid-collective
-    started = time.monotonic()
-    os.kill(ranks[victim].pid, signal.SIGKILL)
-    try:
-        for rank, process in enumerate(ranks):
-            if rank == victim:
-                continue
-            _, stderr = process.communicate(timeout=30)
-            assert time.monotonic() - started < 30
-            assert process.returncode != 0
-            assert "FabricError" in stderr, stderr[-2000:]
-            assert f"rank {victim} (local rank {victim}, pid {ranks[victim].pid}) died" in stderr, stderr[-2000:]
-    finally:
-        for process in ranks:
-            process.kill()
-            process.wait()
+    ranks = start_ranks(world, heartbeat_timeout=5.0, program=RANK_PROGRAM)
+    pids = {process.pid for process in ranks}
+    fail_one(ranks, victim, "killed")
     prefix = f"hp-{os.getuid()}-"
     assert [name for name in os.listdir("/dev/shm") if name.startswith(prefix)] == []
     deadline = time.monotonic() + 10
