@@ -261,8 +261,16 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
 CudaParamGroup::~CudaParamGroup() {
   try {
     reducer_->wait(ticket_);
+    // Peers may still be pulling this rank's rows: their memory goes only
+    // after the last pull.
+    if (pulled_ && pulled_->posted() > 0) {
+      c10::DeviceGuard guard(device_);
+      pulled_->wait_all(pulled_->posted(), compute(), "freeing a group (peers finishing their pulls)");
+      fabric::device::synchronize(compute());
+    }
   } catch (...) {
-    // The error was raised where the reduction was awaited; nothing to add.
+    // A peer died (its error was raised where it was awaited) or this is the
+    // process's exit: nothing will read this memory again.
   }
 }
 

@@ -26,6 +26,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& input, const a
   TORCH_CHECK(input.dim() >= 1 && weight.dim() == 1 && input.size(-1) == weight.size(0) && weight.size(0) > 0,
               "hyperparallel::rms_norm: weight ", weight.sizes(), " must be 1-D and match input ", input.sizes(),
               " in its last dimension");
+  TORCH_CHECK(weight.device() == input.device(), "hyperparallel::rms_norm: input is on ", input.device(),
+              " but weight on ", weight.device(), "; move the module to the input's device");
   c10::DeviceGuard guard(input.device());
   const at::Tensor x = input.contiguous(), w = weight.contiguous();
   const int64_t n = w.size(0), rows = x.numel() / n;
@@ -38,6 +40,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& input, const a
 
 std::tuple<at::Tensor, at::Tensor> backward_cuda(const at::Tensor& grad, const at::Tensor& input,
                                                  const at::Tensor& weight, const at::Tensor& rstd) {
+  TORCH_CHECK(grad.device() == input.device() && weight.device() == input.device() && rstd.device() == input.device(),
+              "hyperparallel::rms_norm backward: its tensors are on different devices");
   c10::DeviceGuard guard(input.device());
   const at::Tensor dy = grad.contiguous(), x = input.contiguous(), w = weight.contiguous(), rs = rstd.contiguous();
   const int64_t n = w.size(0), rows = x.numel() / n;

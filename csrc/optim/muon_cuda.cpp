@@ -50,6 +50,9 @@ fabric::StreamHandle current_stream(c10::Device device) {
 class DeviceMuon : public MuonPlan {
  public:
   DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh, c10::Device device);
+  // Waits until every peer has finished reading this rank's buffer: a plan
+  // rebuilt in its place may get the same addresses back.
+  ~DeviceMuon() override;
   void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
             const std::vector<at::Tensor>& momentum, const std::vector<StepOptions>& options) override;
   std::vector<std::pair<int64_t, int64_t>> owned() const override;
@@ -234,6 +237,19 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
   }
 }
 
+DeviceMuon::~DeviceMuon() {
+  try {
+    if (read_ && read_->posted() > 0) {
+      c10::DeviceGuard guard(device_);
+      const fabric::StreamHandle stream = current_stream(device_);
+      read_->wait_all(read_->posted(), stream, "hp.optim.Muon (peers finishing reading before the plan goes)");
+      fabric::device::synchronize(stream);
+    }
+  } catch (...) {
+    // A peer died or the runtime is gone (exit): there is no one left to read.
+  }
+}
+
 std::pair<int64_t, int64_t> DeviceMuon::shard_rows(const Matrix& matrix, int64_t shard) const {
   const auto& shape = params_[matrix.param].shape;
   if (!params_[matrix.param].sharded) return {0, shard == rank_ ? shape[shape.size() - 2] : 0};
@@ -266,9 +282,17 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
                   momentum.size() == params_.size() && options.size() == params_.size(),
               "hp.optim.Muon: step got lists of ", params.size(), ", ", grads.size(), ", ", momentum.size(), " and ",
               options.size(), " for a plan of ", params_.size(), " parameters");
-  for (std::size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(params[i].device() == device_ && grads[i].device() == device_,
-                "hp.optim.Muon: parameter ", i, " is on ", params[i].device(), " but the plan on ", device_);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].device() == device_ && grads[i].device() == device_ && momentum[i].device() == device_,
+                "hp.optim.Muon: parameter ", i, " (or its gradient or momentum) is on ", params[i].device(),
+                " but the plan on ", device_);
+    std::vector<int64_t> expected = params_[i].shape;
+    if (params_[i].sharded) expected[0] = comm::chunk(expected[0], int(shards_), rank_).size();
+    for (const at::Tensor* t : {&params[i], &grads[i], &momentum[i]})
+      TORCH_CHECK(t->sizes() == c10::IntArrayRef(expected), "hp.optim.Muon: parameter ", i, " has local shape ",
+                  t->sizes(), " (or its gradient or momentum) but the plan expects ", c10::IntArrayRef(expected),
+                  "; were the parameters resharded after the optimizer was built?");
+  }
   c10::DeviceGuard guard(device_);
   at::NoGradGuard no_grad;
   const fabric::StreamHandle stream = current_stream(device_);

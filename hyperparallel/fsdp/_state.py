@@ -212,7 +212,10 @@ class GroupState:
             for ref in self.refs:
                 grads.append(ref.unsharded.grad)
                 ref.unsharded.grad = None
-            if any(grad is not None for grad in grads):
+            # Every rank reduces a group whose parameters train, with or without local
+            # gradients (zeros then), so that a rank whose inputs skipped a module does not
+            # leave its peers waiting in the reduction.
+            if any(ref.unsharded.requires_grad for ref in self.refs):
                 fresh = any(ref.sharded.grad is not None for ref in self.refs)
                 self.core.reduce(grads, fresh)
                 self.reduced = True

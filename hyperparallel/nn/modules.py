@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -64,12 +63,20 @@ def _attn_implementation(config) -> str:
     return (config._attn_implementation if config is not None else None) or "eager"
 
 
-@functools.cache
+# Which devices besides the CPU each op has kernels for in this build, read once (a constant
+# torch.compile folds while tracing).
+_DEVICE_KERNELS = {
+    op: frozenset(
+        device for device in ("cuda",)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"hyperparallel::{op}", device.upper())
+    )
+    for op in ("rms_norm", "attention", "swiglu_mlp", "moe_router", "moe_experts", "moe_aux_loss")
+}
+
+
 def _has_kernel(op: str, device_type: str) -> bool:
     """Whether hyperparallel::<op> has a kernel for this device type in this build."""
-    if device_type in ("cpu", "meta"):
-        return True
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"hyperparallel::{op}", device_type.upper())
+    return device_type in ("cpu", "meta") or device_type in _DEVICE_KERNELS[op]
 
 
 def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
@@ -271,6 +278,10 @@ def experts_forward(
         return _ops.moe_experts(
             hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights
         )
+    if hidden_states.device.type != "cpu" and "grouped_mm" in ALL_EXPERTS_FUNCTIONS:
+        # A device without the fused kernel: HF's own default there (sorted tokens, grouped GEMMs),
+        # not its eager loop, which syncs with the host once per expert.
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, hidden_states, top_k_index, top_k_weights)
     # HF's use_experts_implementation wraps the eager forward in its dispatcher (functools.wraps).
     return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
 

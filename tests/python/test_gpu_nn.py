@@ -37,7 +37,7 @@ def test_rms_norm_matches_hf_in_fp32_and_bf16(rows, n):
         ours.__class__ = FUSED[type(hf)]  # what hp.nn.patch swaps in
         outputs = []
         for module in (hf, ours):
-            x = x32.to(dtype).requires_grad_(True)
+            x = x32.to(dtype, copy=True).requires_grad_(True)
             y = module(x)
             y.backward(dy32.to(dtype))
             outputs.append((y.detach(), x.grad, module.weight.grad))
