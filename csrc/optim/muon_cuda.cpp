@@ -83,8 +83,6 @@ class DeviceMuon : public MuonPlan {
   // This rank's rows of `matrix` in its own buffer: where it writes them and
   // where it reads the result.
   at::Tensor my_rows(const Matrix& matrix) const;
-  static at::Tensor local_rows(const at::Tensor& local, const ParamSpec& spec, const Matrix& matrix, int64_t shards,
-                               int64_t shard);
 
   std::vector<ParamSpec> params_;
   comm::Communicator* comm_ = nullptr;
@@ -98,12 +96,26 @@ class DeviceMuon : public MuonPlan {
   int64_t rows_section_ = 0;  // byte offset of the rows section, the same on every rank
   std::shared_ptr<fabric::PeerMemory> buffer_;
   at::Tensor bytes_;  // this rank's buffer as bytes
-  std::unique_ptr<fabric::DeviceSignal> written_, solved_, read_;
-  fabric::CopyBatch gather_, scatter_;  // the pulls of a step, planned once
+  std::unique_ptr<fabric::DeviceSignal> written_, read_;
+  std::vector<std::unique_ptr<fabric::DeviceSignal>> solved_;  // per pool: its owners' results are there
+  fabric::CopyBatch gather_;                 // owners' pulls of their matrices' rows, planned once
+  std::vector<fabric::CopyBatch> scatter_;   // per pool: this rank's pulls of its rows of the results
+  // A parameter's rows in this rank's buffer as few tensors as the layout
+  // allows: consecutive experts whose rows lie side by side are one run.
+  struct Run {
+    int64_t first = 0;  // local index along dim 0 (an expert), or 0 for a matrix
+    at::Tensor rows;    // [count, rows, cols] for experts, [rows, cols] for a matrix
+  };
+  std::vector<std::vector<Run>> runs_;  // per parameter
+  c10::Stream results_stream_;          // the results' pulls, beside the next pool's Newton-Schulz
+  fabric::DeviceEvent results_pulled_;
 };
 
 DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh, c10::Device device)
-    : params_(std::move(params)), comm_(comm), device_(device) {
+    : params_(std::move(params)),
+      comm_(comm),
+      device_(device),
+      results_stream_(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, false)) {
   c10::DeviceGuard guard(device_);
   bool any_sharded = false;
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -200,8 +212,9 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     bytes_ = at::from_blob(buffer_->local(), {std::max<int64_t>(total, 1)}, [memory](void*) {},
                            at::TensorOptions().dtype(at::kByte).device(device_));
     written_ = std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index());
-    solved_ = std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index());
     read_ = std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index());
+    for (std::size_t p = 0; p < pools_.size(); ++p)
+      solved_.push_back(std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index()));
   }
   for (std::size_t p = 0; p < pools_.size(); ++p) {
     Pool& pool = pools_[p];
@@ -220,6 +233,7 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
 
   // The pulls, planned once: owners pull their matrices' rows from the
   // holders; holders pull their rows of the results from the owners.
+  scatter_.resize(pools_.size());
   for (const Matrix& matrix : matrices_) {
     const Pool& pool = pools_[matrix.pool];
     if (!pool.sharded) continue;
@@ -231,9 +245,61 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
         gather_.add(static_cast<char*>(buffer_->local()) + owned_at(matrix, begin),
                     static_cast<const char*>(buffer_->peer(g)) + matrix.rows_at[g], bytes);
       if (g == rank_)
-        scatter_.add(static_cast<char*>(buffer_->local()) + matrix.rows_at[g],
-                     static_cast<const char*>(buffer_->peer(matrix.owner)) + owned_at(matrix, begin), bytes);
+        scatter_[matrix.pool].add(static_cast<char*>(buffer_->local()) + matrix.rows_at[g],
+                                  static_cast<const char*>(buffer_->peer(matrix.owner)) + owned_at(matrix, begin),
+                                  bytes);
     }
+  }
+
+  // Runs of each parameter's rows in this rank's buffer: a matrix's rows are
+  // its slot in a batch (private, or owned here) or its entry in the rows
+  // section; consecutive experts in consecutive places make one run.
+  runs_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const ParamSpec& spec = params_[i];
+    if (spec.shape.size() == 2) {
+      if (shard_rows(matrices_[matrices_of_[i][0]], rank_).second > 0)
+        runs_[i].push_back(Run{0, my_rows(matrices_[matrices_of_[i][0]])});
+      continue;
+    }
+    const int64_t first_expert =
+        spec.sharded ? int64_t(comm::chunk(spec.shape[0], int(shards_), rank_).begin) : 0;
+    const int64_t rows = spec.shape[1], cols = spec.shape[2], bytes = rows * cols * 2;
+    struct Place {
+      bool in_batch = false;
+      int64_t at = -1;  // batch index, or byte offset in the rows section
+    };
+    auto place_of = [&](const Matrix& matrix) {
+      const bool in_batch = !pools_[matrix.pool].sharded || matrix.owner == rank_;
+      return Place{in_batch, in_batch ? matrix.index : matrix.rows_at[rank_]};
+    };
+    Place start, last;
+    int64_t start_expert = -1, count = 0;
+    auto flush = [&] {
+      if (count == 0) return;
+      const Pool& pool = pools_[matrices_[matrices_of_[i][0]].pool];
+      at::Tensor view = start.in_batch ? pool.batch.narrow(0, start.at, count)
+                                       : bytes_.narrow(0, start.at, count * bytes)
+                                             .view(at::kBFloat16)
+                                             .view({count, rows, cols});
+      runs_[i].push_back(Run{start_expert - first_expert, view});
+      count = 0;
+    };
+    for (int64_t k : matrices_of_[i]) {
+      const Matrix& matrix = matrices_[k];
+      if (shard_rows(matrix, rank_).second == 0) continue;
+      const Place place = place_of(matrix);
+      const bool follows = count > 0 && place.in_batch == last.in_batch &&
+                           place.at == last.at + (place.in_batch ? 1 : bytes);
+      if (!follows) {
+        flush();
+        start = place;
+        start_expert = matrix.expert;
+      }
+      last = place;
+      ++count;
+    }
+    flush();
   }
 }
 
@@ -269,13 +335,6 @@ at::Tensor DeviceMuon::my_rows(const Matrix& matrix) const {
   return bytes_.narrow(0, at, count * pool.cols * 2).view(at::kBFloat16).view({count, pool.cols});
 }
 
-at::Tensor DeviceMuon::local_rows(const at::Tensor& local, const ParamSpec& spec, const Matrix& matrix,
-                                  int64_t shards, int64_t shard) {
-  if (spec.shape.size() == 2) return local;
-  const int64_t first = spec.sharded ? int64_t(comm::chunk(spec.shape[0], int(shards), int(shard)).begin) : 0;
-  return local.select(0, matrix.expert - first);
-}
-
 void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                       const std::vector<at::Tensor>& momentum, const std::vector<StepOptions>& options) {
   TORCH_CHECK(params.size() == params_.size() && grads.size() == params_.size() &&
@@ -305,37 +364,39 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
     const StepOptions& o = options[i];
     momentum[i].lerp_(grads[i], 1.0 - o.momentum);
     at::Tensor update = o.nesterov ? at::lerp(grads[i], momentum[i], o.momentum) : momentum[i];
-    for (int64_t k : matrices_of_[i]) {
-      const Matrix& matrix = matrices_[k];
-      if (shard_rows(matrix, rank_).second == 0) continue;
-      my_rows(matrix).copy_(local_rows(update, params_[i], matrix, shards_, rank_));
-    }
+    for (const Run& run : runs_[i])
+      run.rows.copy_(params_[i].shape.size() == 2 ? update : update.narrow(0, run.first, run.rows.size(0)));
   }
   if (written_) {
     const uint64_t round = written_->post(stream);
     written_->wait_all(round, stream, "hp.optim.Muon (waiting for peers' rows)");
     gather_.run(stream);
   }
-  for (const Pool& pool : pools_)
+  // Each pool's results travel on their own stream while the next pool is
+  // orthogonalised.
+  const fabric::StreamHandle results = results_stream_.native_handle();
+  for (std::size_t p = 0; p < pools_.size(); ++p) {
+    const Pool& pool = pools_[p];
     if (pool.batch.size(0) > 0) newton_schulz_(pool.batch, pool.ns);
-  if (solved_) {
-    const uint64_t round = solved_->post(stream);
-    solved_->wait_all(round, stream, "hp.optim.Muon (waiting for owners' results)");
-    scatter_.run(stream);
-    read_->post(stream);
+    if (!pool.sharded) continue;
+    const uint64_t round = solved_[p]->post(stream);
+    solved_[p]->wait_all(round, results, "hp.optim.Muon (waiting for owners' results)");
+    scatter_[p].run(results);
+  }
+  if (read_) {
+    read_->post(results);
+    results_pulled_.record(results);
+    results_pulled_.wait(stream);
   }
 
   // torch.optim.Muon's update on this rank's rows.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
+    const auto& shape = params_[i].shape;
+    const double alpha = -plan::adjusted_lr(o, shape[shape.size() - 2], shape.back());
     params[i].mul_(1.0 - o.lr * o.weight_decay);
-    for (int64_t k : matrices_of_[i]) {
-      const Matrix& matrix = matrices_[k];
-      if (shard_rows(matrix, rank_).second == 0) continue;
-      const Pool& pool = pools_[matrix.pool];
-      const double alpha = -plan::adjusted_lr(o, pool.rows, pool.cols);
-      local_rows(params[i], params_[i], matrix, shards_, rank_).add_(my_rows(matrix), alpha);
-    }
+    for (const Run& run : runs_[i])
+      (shape.size() == 2 ? params[i] : params[i].narrow(0, run.first, run.rows.size(0))).add_(run.rows, alpha);
   }
 }
 
