@@ -462,7 +462,8 @@ def muon_adamw(model: nn.Module, args, hp_args: HPArguments, decay_names: Sequen
 
 
 def _check_training_args(args) -> None:
-    """TrainingArguments that ask for another way to shard or a precision hp does not give."""
+    """TrainingArguments that ask for another way to shard or a precision hp does not give, or that
+    do not see the ranks torchrun started."""
     if args.deepspeed:
         raise ValueError(
             "hyperparallel: `deepspeed` is set in the training arguments; hyperparallel shards the model itself "
@@ -472,6 +473,12 @@ def _check_training_args(args) -> None:
         raise ValueError(
             "hyperparallel: `fsdp` is set (in the training arguments or accelerate's config); hyperparallel shards "
             "the model itself (hp.fully_shard): remove `fsdp`"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.world_size != launched:
+        raise ValueError(
+            f"hyperparallel: the training arguments see {args.world_size} process(es) but {launched} were launched: "
+            "HF's Trainer runs distributed on the CPU only when told, set `use_cpu=True`"
         )
     if args.fp16:
         raise ValueError(

@@ -215,3 +215,13 @@ def test_fsdp_in_accelerates_config_is_refused(tmp_path, monkeypatch):
     monkeypatch.setitem(os.environ, "ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ValueError, match="`fsdp`"):
         HPTrainer(model=make_model("dense"), args=training_args(str(tmp_path), PER_RANK), train_dataset=dataset())
+
+
+def test_arguments_that_miss_the_launched_ranks_are_refused(tmp_path, monkeypatch):
+    """Under torchrun on a machine without GPUs, HF's TrainingArguments see one process unless use_cpu."""
+    from hyperparallel.integrations.transformers import HPTrainer
+
+    monkeypatch.setitem(os.environ, "WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="`use_cpu=True`"):
+        HPTrainer(model=make_model("dense"), args=training_args(str(tmp_path), PER_RANK, use_cpu=False),
+                  train_dataset=dataset())
