@@ -184,13 +184,19 @@ def shard_model(model: nn.Module, *, patch: bool = False, bf16: bool = False) ->
             log.info("%s", report)
         except TypeError as error:
             log.warning("patch: %s; training with the model's own modules", error)
-    mesh = _mesh(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    mesh = _mesh(device)
     policy = (
         hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
         else hp.MixedPrecisionPolicy()
     )
+    # Activation checkpointing (HF checkpoints a layer's forward, inside its hooks) recomputes the
+    # layer in backward from the parameters it then holds. On a device hp unshards them before
+    # the layer's backward; on the CPU keep the full ones registered, which costs no memory (they
+    # live in node-shared memory either way).
+    reshard = False if device.type == "cpu" else None
     for layer in layers:
-        hp.fully_shard(layer, mesh=mesh, mp_policy=policy)
+        hp.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     hp.fully_shard(model, mesh=mesh, mp_policy=policy)
     return report
 

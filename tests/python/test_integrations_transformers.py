@@ -2,7 +2,7 @@
 
 Same data order on both sides (the 2-rank run's global batch is the one-process run's batch),
 fp32: per-step losses within 1e-5 for 10 steps with AdamW (a tiny Qwen3-MoE, hp's fused
-modules, gradient accumulation, clipping) and with hp's Muon against torch.optim.Muon (a tiny
+modules, gradient accumulation, clipping, activation checkpointing) and with hp's Muon against torch.optim.Muon (a tiny
 dense Qwen3); the saved HF directory loads in transformers and gives the trained model's
 logits; a run resumed from a checkpoint continues with the uninterrupted run's losses.
 """
@@ -142,10 +142,12 @@ def _assert_losses_equal(got: list[float], expected: list[float]) -> None:
 
 
 def test_adamw_matches_one_process_and_saves_a_loadable_hf_directory(tmp_path):
-    """Each rank accumulates 2 micro-batches of 2 and reduces once; one process takes 2 batches of 4."""
+    """Each rank accumulates 2 micro-batches of 2 and reduces once, recomputing each layer in backward
+    (HF's activation checkpointing); one process takes 2 batches of 4 and keeps its activations."""
     expected, expected_logits = run(reference_run, 1, ("moe", "hf", str(tmp_path / "ref"), {}))[0]
     save = tmp_path / "hf"
-    results = run(hp_run, WORLD, ("moe", "hf", True, str(tmp_path / "hp"), str(save)))
+    results = run(hp_run, WORLD, ("moe", "hf", True, str(tmp_path / "hp"), str(save), None,
+                                  {"activation_checkpointing": True}))
     got, logits = results[0]
     assert results[1][0] == got  # every rank logs the same (gathered) loss
     _assert_losses_equal(got, expected)
