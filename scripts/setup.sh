@@ -3,9 +3,19 @@
 # CUDA 13.0's compiler (the machine's nvcc, else pinned PyPI wheels), the C++
 # core built into hyperparallel._C, and the C++ test build. Without a GPU the
 # CUDA kernels are still compiled (warnings are errors), so CI keeps them honest.
+# --with-llamafactory also makes .venv-llamafactory: LlamaFactory 0.9.5 and its pins
+# (requirements-llamafactory.txt) on the same torch, hyperparallel built into it.
 # Safe to rerun: each step is skipped or incremental when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+with_llamafactory=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-llamafactory) with_llamafactory=1 ;;
+    *) echo "setup: unknown argument $arg (known: --with-llamafactory)" >&2; exit 2 ;;
+  esac
+done
 
 if ! command -v ccache >/dev/null || [ ! -e /usr/include/gtest/gtest.h ]; then
   if [ "$(id -u)" = 0 ]; then
@@ -40,3 +50,19 @@ fi
 
 cmake -S . -B build/cpp -G Ninja -DHP_BUILD_PYTHON=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/cpp
+
+if [ "$with_llamafactory" = 1 ]; then
+  lf=.venv-llamafactory
+  if [ ! -x $lf/bin/python ]; then
+    "$PYTHON" -m venv $lf
+  fi
+  $lf/bin/pip install -q torch==2.13.0
+  # The constraint keeps every package below on that torch.
+  $lf/bin/pip install -q -c <(echo torch==2.13.0) -r requirements-llamafactory.txt
+  $lf/bin/pip install -q --no-deps llamafactory==0.9.5 torchaudio==2.11.1
+  # torchaudio's PyPI libraries are CUDA builds; without them it loads as pure Python
+  # (requirements-llamafactory.txt says why that is enough).
+  rm -f $lf/lib/python3*/site-packages/torchaudio/lib/*.so
+  # Its own build folder: the objects are built against this environment's torch headers.
+  $lf/bin/pip install -q --no-build-isolation --no-deps -C build-dir=build/llamafactory -e .
+fi

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 from transformers.utils.generic import can_return_tuple
@@ -52,6 +51,15 @@ SILU = ("silu", "swish")
 
 _warned_dtypes: set[frozenset[torch.dtype]] = set()
 _warned_devices: set[tuple[str, str]] = set()
+
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # older transformers (LlamaFactory's 5.6): its Qwen3MoeForCausalLM slices this way
+
+    def slice_logits_to_keep(hidden_states: Tensor, logits_to_keep: int | Tensor) -> Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
 
 
 def _config(module: torch.nn.Module):
@@ -328,10 +336,19 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
     as the checkpoint's architecture.
     """
 
-    # HF lets set_experts_implementation() change a model's config only when the
-    # model class's source file uses @use_experts_implementation (a heuristic
-    # whose result it caches here); this file's experts do dispatch on it.
-    _can_set_experts_implementation_cached_value = True
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # HF lets set_experts_implementation() change a model's config only when the model
+        # class's source file uses HF's experts decorator (a heuristic on the file's text);
+        # this file's experts do dispatch on the config.
+        return True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # transformers 5.6 accepts only its built-in names here, though its experts dispatch on
+        # any name registered with ALL_EXPERTS_FUNCTIONS (later releases accept those).
+        if requested_experts == EXPERTS_IMPLEMENTATION:
+            return requested_experts
+        return super().get_correct_experts_implementation(requested_experts)
 
     @can_return_tuple
     def forward(
@@ -371,7 +388,7 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
                     outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
                 )
             if loss is not None:
-                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss += self.router_aux_loss_coef * aux_loss.to(loss.device)  # in place, as HF: the sum keeps the LM loss's dtype
         return MoeCausalLMOutputWithPast(
             loss=loss,
             aux_loss=aux_loss,

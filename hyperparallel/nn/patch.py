@@ -10,8 +10,10 @@ from torch import nn
 
 from hyperparallel.nn.modules import EXPERTS_IMPLEMENTATION, FUSED, SUPPORTED_MODELS, FusedExperts
 
-# The transformers release whose modeling code the fused modules reproduce.
-TRANSFORMERS_VERSION = "5.23.0"
+# The transformers releases whose Qwen3 / Qwen3-MoE modeling code the fused modules reproduce:
+# ours (requirements.txt) and LlamaFactory 0.9.5's newest allowed (requirements-llamafactory.txt),
+# whose modules have the same layout (stacked experts, the same router and attention).
+TRANSFORMERS_VERSIONS = ("5.23.0", "5.6.0")
 
 
 @dataclass
@@ -74,9 +76,9 @@ def patch(model: nn.Module) -> PatchReport:
     if not isinstance(model, SUPPORTED_MODELS):
         names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
         raise TypeError(f"hp.nn.patch supports {names}; got {type(model).__name__}")
-    if transformers.__version__ != TRANSFORMERS_VERSION:
+    if transformers.__version__ not in TRANSFORMERS_VERSIONS:
         warnings.warn(
-            f"hp.nn.patch reproduces transformers {TRANSFORMERS_VERSION}'s Qwen3 numerics; "
+            f"hp.nn.patch reproduces the Qwen3 numerics of transformers {' and '.join(TRANSFORMERS_VERSIONS)}; "
             f"found {transformers.__version__}",
             stacklevel=2,
         )
@@ -92,7 +94,7 @@ def patch(model: nn.Module) -> PatchReport:
         report.replaced[name] = type(module)
         module.__class__ = fused
     if any(issubclass(FUSED[cls], FusedExperts) for cls in report.replaced.values()):
-        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        _select_fused_experts(model)
     if report.left:
         by_reason: dict[str, list[str]] = {}
         for name, reason in report.left.items():
@@ -100,3 +102,13 @@ def patch(model: nn.Module) -> PatchReport:
         listed = "; ".join(f"{reason}: {', '.join(names)}" for reason, names in by_reason.items())
         warnings.warn(f"hp.nn.patch left {len(report.left)} modules as HF's ({listed})", stacklevel=2)
     return report
+
+
+def _select_fused_experts(model: nn.Module) -> None:
+    """Make the model's experts dispatch to the fused kernel (HF's experts read the name from the config)."""
+    try:
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    except ValueError:
+        # A base Qwen3MoeModel on transformers 5.6, which checks the name against its built-in
+        # implementations only (the fused Qwen3MoeForCausalLM accepts it): set the config's.
+        model.config._experts_implementation = EXPERTS_IMPLEMENTATION
