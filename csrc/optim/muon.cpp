@@ -4,6 +4,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -30,7 +31,12 @@ std::map<c10::DeviceType, MuonFactory>& muon_factories() {
   return factories;
 }
 
+std::atomic<uint64_t> peer_bytes_read{0};
+
 }  // namespace
+
+uint64_t muon_peer_bytes() { return peer_bytes_read.load(); }
+void reset_muon_peer_bytes() { peer_bytes_read = 0; }
 
 void register_muon_factory(c10::DeviceType type, MuonFactory factory) { muon_factories()[type] = factory; }
 
@@ -203,6 +209,18 @@ void Muon::plan_pieces() {
     for (const Piece& piece : pieces_[i]) covered += piece.row_count * local.back();
     whole_[i] = covered == c10::multiply_integers(local);
   }
+  // Rows that cross ranks in a step: those of this rank's matrices held by
+  // others, and this rank's rows of others' results.
+  for (const Matrix& matrix : matrices_) {
+    const Pool& pool = pools_[matrix.pool];
+    if (pool.shared && matrix.owner == rank_)
+      peer_bytes_ += (pool.rows - shard_rows(matrix, shard_).second) * pool.cols * 2;
+  }
+  for (const auto& pieces : pieces_)
+    for (const Piece& piece : pieces) {
+      const Matrix& matrix = matrices_[piece.matrix];
+      if (pools_[matrix.pool].shared && matrix.owner != rank_) peer_bytes_ += piece.row_count * pools_[matrix.pool].cols * 2;
+    }
 }
 
 void Muon::plan_transfers() {
@@ -381,6 +399,7 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
         rows.add_(slot, alpha);
     }
   }
+  peer_bytes_read.fetch_add(uint64_t(peer_bytes_), std::memory_order_relaxed);
 }
 
 std::vector<std::pair<int64_t, int64_t>> Muon::owned() const {

@@ -19,9 +19,13 @@ void bind_optim(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("optim_stats", [] {
     auto stats = optim::ns_stats();
-    return py::dict(py::arg("ns_calls") = stats.calls, py::arg("ns_matrices") = stats.matrices);
+    return py::dict(py::arg("ns_calls") = stats.calls, py::arg("ns_matrices") = stats.matrices,
+                    py::arg("muon_peer_bytes") = optim::muon_peer_bytes());
   });
-  m.def("reset_optim_stats", &optim::reset_ns_stats);
+  m.def("reset_optim_stats", [] {
+    optim::reset_ns_stats();
+    optim::reset_muon_peer_bytes();
+  });
 
   py::enum_<optim::AdjustLr>(m, "AdjustLr")
       .value("ORIGINAL", optim::AdjustLr::Original)

@@ -176,7 +176,10 @@ class Muon(torch.optim.Optimizer):
 
 
 def stats() -> dict[str, int]:
-    """Newton–Schulz work of this process since the last reset: batched calls and matrices."""
+    """Muon's work in this process since the last reset: Newton–Schulz's batched calls
+    (``ns_calls``) and the matrices they orthogonalised (``ns_matrices``), and the bytes of bf16
+    rows read from the node's other ranks (``muon_peer_bytes``: an owner's matrices' rows that others
+    hold, and this rank's rows of the results that others computed)."""
     return _C.optim_stats()
 
 

@@ -159,10 +159,36 @@ def _check(results: dict, world: int) -> None:
     assert len({r["balance"] for r in results.values()}) == 1  # every rank computed the same plan
 
 
+def _shard_rows(size: int, world: int, rank: int) -> list[int]:
+    """Shard(0)'s split: chunks of ceil(size / world), the last ones short or empty."""
+    chunks = torch.arange(size).chunk(world)
+    return chunks[rank].tolist() if rank < len(chunks) else []
+
+
+def _peer_bytes_per_step(results: dict, world: int) -> int:
+    """What Muon's rows cost in a step, within one node: an owner reads the rows of its matrices that
+    other ranks hold, and those ranks read their rows of the result (bf16: 2 bytes an element).
+    Shard(0) splits a 2-D matrix's rows and a 3-D stack's experts; an expert is usually
+    orthogonalised where it lives, but balance may send it elsewhere."""
+    shapes = [p.shape for p in Tiny().parameters()]
+    total = 0
+    for owner, result in results.items():
+        for param, expert in result["owned"]:
+            shape = shapes[param]
+            rows, cols = shape[-2:]
+            mine = _shard_rows(shape[0], world, owner)  # rows, or experts
+            held = len(mine) if len(shape) == 2 else rows * (expert in mine)
+            total += 2 * (rows - held) * cols * 2
+    return total
+
+
 @pytest.mark.parametrize("shard_fn", sorted(SHARD_FNS))
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_equals_one_process(shard_fn, nproc):
-    _check(run(sharded_muon_matches_one_process, nproc=nproc, args=(shard_fn, (nproc,))), nproc)
+    results = run(sharded_muon_matches_one_process, nproc=nproc, args=(shard_fn, (nproc,)))
+    _check(results, nproc)
+    moved = sum(r["ns"]["muon_peer_bytes"] for r in results.values())
+    assert moved == STEPS * _peer_bytes_per_step(results, nproc) > 0
 
 
 @pytest.mark.parametrize("shard_fn", sorted(SHARD_FNS))

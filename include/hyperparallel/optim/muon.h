@@ -90,6 +90,14 @@ class MuonPlan {
                                           c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device);
 };
 
+// Counted by every CPU Muon step of this process: bytes of bf16 rows read
+// from the node's other ranks' memory, which is all that Muon moves within a
+// node (an owner reads the rows of its matrices that other ranks hold; a
+// holder reads its rows of the results other ranks computed). What a benchmark
+// sets beside the bytes a c10d Muon sends and receives.
+uint64_t muon_peer_bytes();
+void reset_muon_peer_bytes();
+
 using MuonFactory = std::shared_ptr<MuonPlan> (*)(std::vector<ParamSpec>, comm::Communicator*, MeshLayout,
                                                   c10::intrusive_ptr<c10d::ProcessGroup>, c10::Device);
 // A device backend linked into the extension registers its plan.
@@ -178,6 +186,7 @@ class Muon : public MuonPlan {
   std::vector<std::vector<Piece>> pieces_;  // per parameter
   std::vector<bool> whole_;                 // per parameter: its pieces cover its local tensor
   std::optional<comm::Window> window_;      // the node-shared buffer
+  int64_t peer_bytes_ = 0;                  // per step; see muon_peer_bytes()
   Transfer gather_;                // rows an owner's node lacks
   std::vector<Transfer> results_;  // per pool: updates that other nodes hold rows of
 };
