@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -193,6 +193,8 @@ class RankResult:
     steps: list[StepRecord]
     peak_rss_bytes: int
     weights_fingerprint: str
+    # A system's own per-rank counters (e.g. Newton-Schulz matrices per step), set after training.
+    counters: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(system: str, spec: RunSpec, ranks: Sequence[RankResult], **extra: Any) -> dict[str, Any]:

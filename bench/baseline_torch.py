@@ -33,7 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 # isort: split
@@ -51,6 +51,8 @@ from _spec import (
 from _timing import RankResult, StepTimer, max_abs_diff, summarize, train_rank
 
 SYSTEM = "torch-fsdp2-muon"
+STRONG_SYSTEM = "torch-fsdp2-owner-muon"
+SYSTEMS = {"gathered": SYSTEM, "owner": STRONG_SYSTEM}
 # Default loss tolerance for --check-single (the brief's ~1e-5 on fp32 losses around 8).
 CHECK_TOL = 1e-5
 
@@ -139,6 +141,115 @@ class GatheredMuon(torch.optim.Optimizer):
                 )
 
 
+
+def owner_assignment(costs: list[int], world_size: int) -> list[int]:
+    """Owner rank of each matrix: greedy longest-processing-time on Newton-Schulz cost.
+
+    Largest cost first (ties by index), each to the least-loaded rank (ties to the lowest rank),
+    so every rank computes the same assignment without talking.
+    """
+    load = [0] * world_size
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owners[index] = min(range(world_size), key=lambda r: (load[r], r))
+        load[owners[index]] += costs[index]
+    return owners
+
+
+def ns_cost(shape: torch.Size) -> int:
+    """Newton-Schulz cost of one ``(m, n)`` matrix, ~ m*n*min(m, n), times the stack's matrices."""
+    m, n = shape[-2:]
+    stack = shape[0] if len(shape) == 3 else 1
+    return stack * m * n * min(m, n)
+
+
+class OwnerMuon(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for FSDP2-sharded parameters, each matrix orthogonalised exactly once.
+
+    The strong PyTorch peer (HyperParallel's own Muon, torchtitan's DistMuon): a 3-D expert stack
+    whose experts this rank holds whole (``Shard(0)`` with E divisible by the world size) is
+    orthogonalised on this rank's rows, with no communication; every other Muon parameter has one
+    owner rank (:func:`owner_assignment`), which gathers the full update, runs Newton-Schulz and
+    broadcasts the bf16 result, of which every rank keeps its rows. Momentum, weight decay and
+    ``_adjust_lr`` are :class:`GatheredMuon`'s, and Newton-Schulz of the same full matrix is
+    deterministic, so the losses equal GatheredMuon's bit for bit. ``ns_matrices`` counts the
+    matrices this rank orthogonalised (cumulative).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], hparams: OptimHparams, timer: StepTimer) -> None:
+        super().__init__(params, hparams.muon_defaults())
+        self._timer = timer
+        self.ns_matrices = 0
+        world = dist.get_world_size()
+        self._local: set[int] = set()
+        shared = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                if _experts_local(param, world):
+                    self._local.add(id(param))
+                else:
+                    shared.append(param)
+        owners = owner_assignment([ns_cost(p.shape) for p in shared], world)
+        self._owner = {id(p): owner for p, owner in zip(shared, owners, strict=True)}
+
+    def _orthogonalise(self, update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        # NS returns bf16: kept so, as torch.optim.Muon adds the bf16 result directly.
+        ortho = torch.empty(update.shape, dtype=torch.bfloat16)
+        for out, matrix in zip(as_matrices(ortho), as_matrices(update), strict=True):
+            out.copy_(_zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]))
+            self.ns_matrices += 1
+        return ortho
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        rank = dist.get_rank()
+        for group in self.param_groups:
+            lr = group["lr"]
+            momentum = group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                if id(param) in self._local:
+                    own_rows = self._orthogonalise(update.to_local(), group)
+                else:
+                    owner = self._owner[id(param)]
+                    # full_tensor() is an all-gather, more than the owner needs; Gloo's gather
+                    # wants equal shard sizes, which torch.chunk's uneven rows do not give.
+                    with self._timer.comm("muon_gather"):
+                        full_update = update.full_tensor()
+                    if rank == owner:
+                        ortho = self._orthogonalise(full_update, group)
+                    else:
+                        ortho = torch.empty(full_update.shape, dtype=torch.bfloat16)
+                    with self._timer.comm("muon_broadcast"):
+                        dist.broadcast(ortho, src=owner)
+                    own_rows = distribute_tensor(
+                        ortho, param.device_mesh, param.placements, src_data_rank=None
+                    ).to_local()
+                param.to_local().mul_(1 - lr * group["weight_decay"])
+                param.to_local().add_(own_rows, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
+
+
+def _experts_local(param: nn.Parameter, world_size: int) -> bool:
+    """Whether this rank holds whole experts of a 3-D stack (Shard(0), E divisible by world)."""
+    return (
+        isinstance(param, DTensor)
+        and param.ndim == 3
+        and param.shape[0] % world_size == 0
+        and all(p == Shard(0) for p in param.placements)
+    )
+
+
+MUONS = {"gathered": GatheredMuon, "owner": OwnerMuon}
+
+
 def _shard(model: nn.Module, world_size: int, reshard_after_forward: bool) -> None:
     """``fully_shard`` every decoder layer, then the root (embedding, final norm, lm_head)."""
     mesh = init_device_mesh("cpu", (world_size,))
@@ -160,6 +271,7 @@ def _baseline_rank(
     spec: RunSpec,
     hparams: OptimHparams,
     reshard_after_forward: bool,
+    muon: str,
 ) -> RankResult:
     dist.init_process_group("gloo")
     try:
@@ -173,18 +285,33 @@ def _baseline_rank(
         _shard(model, world_size, reshard_after_forward)
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
-        muon, adamw = optimizers(model, hparams, lambda params: GatheredMuon(params, hparams, timer))
-        return train_rank(model, muon, adamw, spec, hparams, timer, fingerprint)
+        muon_opt, adamw = optimizers(model, hparams, lambda params: MUONS[muon](params, hparams, timer))
+        result = train_rank(model, muon_opt, adamw, spec, hparams, timer, fingerprint)
+        if isinstance(muon_opt, OwnerMuon):
+            result.counters["ns_matrices_per_step"] = muon_opt.ns_matrices / spec.steps
+        return result
     finally:
         dist.destroy_process_group()
 
 
 def run_baseline(
-    spec: RunSpec, reshard_after_forward: bool = True, hparams: OptimHparams | None = None
+    spec: RunSpec,
+    reshard_after_forward: bool = True,
+    hparams: OptimHparams | None = None,
+    muon: str = "gathered",
 ) -> dict[str, Any]:
-    """One FSDP2 + Muon run over ``spec.nproc`` freshly spawned ranks; the protocol's report."""
-    results = spawn_ranks(_baseline_rank, spec.nproc, spec, hparams or OptimHparams(), reshard_after_forward)
-    return summarize(SYSTEM, spec, results, reshard_after_forward=reshard_after_forward)
+    """One FSDP2 + Muon run over ``spec.nproc`` freshly spawned ranks; the protocol's report.
+
+    ``muon``: ``"gathered"`` (:class:`GatheredMuon`, the baseline) or ``"owner"``
+    (:class:`OwnerMuon`, the strong peer).
+    """
+    results = spawn_ranks(
+        _baseline_rank, spec.nproc, spec, hparams or OptimHparams(), reshard_after_forward, muon
+    )
+    extra: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if results[0].counters:
+        extra["ns_matrices_per_rank_per_step"] = [r.counters["ns_matrices_per_step"] for r in results]
+    return summarize(SYSTEMS[muon], spec, results, **extra)
 
 
 def _parse_bool(text: str) -> bool:
@@ -206,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         help="FSDP2 reshard_after_forward for the layers and the root (default: true)",
     )
     parser.add_argument(
+        "--muon", choices=sorted(MUONS), default="gathered",
+        help="gathered: every rank orthogonalises every matrix (the baseline); owner: each once (the strong peer)",
+    )
+    parser.add_argument(
         "--check-single",
         action="store_true",
         help="also train the single-process full-tensor reference (per-rank micro-batches and "
@@ -217,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = run_spec_from_args(args)
 
-    report = run_baseline(spec, args.reshard_after_forward)
+    report = run_baseline(spec, args.reshard_after_forward, muon=args.muon)
     print(json.dumps(report), flush=True)
     if not args.check_single:
         return 0
@@ -234,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         json.dumps(
             {
-                "check": f"{SYSTEM} vs {REFERENCE_SYSTEM}",
+                "check": f"{report['system']} vs {REFERENCE_SYSTEM}",
                 "same_initial_weights": same_init,
                 "max_abs_loss_diff": diff,
                 "tol": args.tol,
