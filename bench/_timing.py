@@ -242,6 +242,7 @@ def summarize(system: str, spec: RunSpec, ranks: Sequence[RankResult], **extra: 
             kind: median_over_steps(lambda r, k=kind: r.comm.get(k, 0.0)) for kind in comm_kinds
         },
         "step_times_s": walls,
+        "precision": spec.precision,
         "weights_fingerprint": fingerprints.pop(),
         **extra,
     }

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 # FSDP2 takes custom collectives through the public ``set_custom_all_gather`` /
 # ``set_custom_reduce_scatter``; subclassing its default implementations (private) is the least
@@ -250,12 +250,12 @@ def _experts_local(param: nn.Parameter, world_size: int) -> bool:
 MUONS = {"gathered": GatheredMuon, "owner": OwnerMuon}
 
 
-def _shard(model: nn.Module, world_size: int, reshard_after_forward: bool) -> None:
+def _shard(model: nn.Module, world_size: int, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy) -> None:
     """``fully_shard`` every decoder layer, then the root (embedding, final norm, lm_head)."""
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
 
 def _time_fsdp_collectives(model: nn.Module, timer: StepTimer) -> None:
@@ -282,7 +282,7 @@ def _baseline_rank(
         if len(set(fingerprints)) != 1:
             raise RuntimeError(f"rank {rank}: seeded init differs across ranks: {fingerprints}")
 
-        _shard(model, world_size, reshard_after_forward)
+        _shard(model, world_size, reshard_after_forward, spec.mp_policy())
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
         muon_opt, adamw = optimizers(model, hparams, lambda params: MUONS[muon](params, hparams, timer))
