@@ -71,9 +71,11 @@ class _Timed:
         super().__init__()
         self._timer = timer
 
-    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 *args: Any, **kwargs: Any) -> dist.Work | None:
+        self._timer.count("gloo_bytes", self.bytes_moved(output_tensor, input_tensor, group.size()))
         with self._timer.comm(self.kind):
-            return super().__call__(*args, **kwargs)
+            return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
 
 
 class TimedAllGather(_Timed, DefaultAllGather):
@@ -81,11 +83,33 @@ class TimedAllGather(_Timed, DefaultAllGather):
 
     kind = "fsdp_all_gather"
 
+    @staticmethod
+    def bytes_moved(output: torch.Tensor, input: torch.Tensor, world: int) -> int:
+        return all_gather_bytes(input.nbytes, world)
+
 
 class TimedReduceScatter(_Timed, DefaultReduceScatter):
     """FSDP2's default gradient reduce-scatter, timed."""
 
     kind = "fsdp_reduce_scatter"
+
+    @staticmethod
+    def bytes_moved(output: torch.Tensor, input: torch.Tensor, world: int) -> int:
+        # Sends its partial sums of the peers' rows, receives theirs of its own rows.
+        return 2 * (input.nbytes - output.nbytes)
+
+
+# Gloo's bytes moved, per rank: what the rank sends plus what it receives in the collective's
+# direct form (every peer's data straight to where it is needed), independent of Gloo's ring or
+# tree. Summed over ranks it counts each transfer twice (once sent, once received).
+def all_gather_bytes(shard_bytes: int, world: int) -> int:
+    """Sends its shard to each peer, receives each peer's shard."""
+    return 2 * (world - 1) * shard_bytes
+
+
+def broadcast_bytes(full_bytes: int, world: int, is_source: bool) -> int:
+    """The source sends the tensor to each peer; every other rank receives it once."""
+    return (world - 1) * full_bytes if is_source else full_bytes
 
 
 class GatheredMuon(torch.optim.Optimizer):
@@ -121,6 +145,7 @@ class GatheredMuon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                self._timer.count("gloo_bytes", all_gather_bytes(update.to_local().nbytes, dist.get_world_size()))
                 with self._timer.comm("muon_gather"):
                     full_update = update.full_tensor()
                 # NS returns bf16: keep it so, as torch.optim.Muon adds the bf16 result directly.
@@ -131,6 +156,7 @@ class GatheredMuon(torch.optim.Optimizer):
                             matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
                         )
                     )
+                    self._timer.count("ns_matrices", 1)
                 # src_data_rank=None: every rank holds the whole result, so sharding it is a
                 # local slice, not a scatter.
                 own_rows = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None)
@@ -172,14 +198,13 @@ class OwnerMuon(torch.optim.Optimizer):
     owner rank (:func:`owner_assignment`), which gathers the full update, runs Newton-Schulz and
     broadcasts the bf16 result, of which every rank keeps its rows. Momentum, weight decay and
     ``_adjust_lr`` are :class:`GatheredMuon`'s, and Newton-Schulz of the same full matrix is
-    deterministic, so the losses equal GatheredMuon's bit for bit. ``ns_matrices`` counts the
-    matrices this rank orthogonalised (cumulative).
+    deterministic, so the losses equal GatheredMuon's bit for bit. Its work (Gloo bytes,
+    Newton-Schulz matrices) is counted on ``timer``.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], hparams: OptimHparams, timer: StepTimer) -> None:
         super().__init__(params, hparams.muon_defaults())
         self._timer = timer
-        self.ns_matrices = 0
         world = dist.get_world_size()
         self._local: set[int] = set()
         shared = []
@@ -197,12 +222,12 @@ class OwnerMuon(torch.optim.Optimizer):
         ortho = torch.empty(update.shape, dtype=torch.bfloat16)
         for out, matrix in zip(as_matrices(ortho), as_matrices(update), strict=True):
             out.copy_(_zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]))
-            self.ns_matrices += 1
+            self._timer.count("ns_matrices", 1)
         return ortho
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        rank = dist.get_rank()
+        rank, world = dist.get_rank(), dist.get_world_size()
         for group in self.param_groups:
             lr = group["lr"]
             momentum = group["momentum"]
@@ -222,12 +247,14 @@ class OwnerMuon(torch.optim.Optimizer):
                     owner = self._owner[id(param)]
                     # full_tensor() is an all-gather, more than the owner needs; Gloo's gather
                     # wants equal shard sizes, which torch.chunk's uneven rows do not give.
+                    self._timer.count("gloo_bytes", all_gather_bytes(update.to_local().nbytes, world))
                     with self._timer.comm("muon_gather"):
                         full_update = update.full_tensor()
                     if rank == owner:
                         ortho = self._orthogonalise(full_update, group)
                     else:
                         ortho = torch.empty(full_update.shape, dtype=torch.bfloat16)
+                    self._timer.count("gloo_bytes", broadcast_bytes(ortho.nbytes, world, rank == owner))
                     with self._timer.comm("muon_broadcast"):
                         dist.broadcast(ortho, src=owner)
                     own_rows = distribute_tensor(
@@ -286,10 +313,7 @@ def _baseline_rank(
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
         muon_opt, adamw = optimizers(model, hparams, lambda params: MUONS[muon](params, hparams, timer))
-        result = train_rank(model, muon_opt, adamw, spec, hparams, timer, fingerprint)
-        if isinstance(muon_opt, OwnerMuon):
-            result.counters["ns_matrices_per_step"] = muon_opt.ns_matrices / spec.steps
-        return result
+        return train_rank(model, muon_opt, adamw, spec, hparams, timer, fingerprint)
     finally:
         dist.destroy_process_group()
 
@@ -308,10 +332,7 @@ def run_baseline(
     results = spawn_ranks(
         _baseline_rank, spec.nproc, spec, hparams or OptimHparams(), reshard_after_forward, muon
     )
-    extra: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if results[0].counters:
-        extra["ns_matrices_per_rank_per_step"] = [r.counters["ns_matrices_per_step"] for r in results]
-    return summarize(SYSTEMS[muon], spec, results, **extra)
+    return summarize(SYSTEMS[muon], spec, results, reshard_after_forward=reshard_after_forward)
 
 
 def _parse_bool(text: str) -> bool:

@@ -44,6 +44,13 @@ from baseline_torch import run_baseline
 import hyperparallel as hp
 
 SYSTEM = "hyperparallel"
+# hp's own cumulative work counters. The fabric's bytes are memory traffic of its copies and
+# reduce-scatter reads (comm's bytes_copied, bytes_reduced); its all-gather copies nothing, and
+# Muon's owners read and write peers' rows in shared memory in place, uncounted by the fabric.
+HP_COUNTERS = {
+    "fabric_bytes": lambda: float(sum(hp.comm.stats().values())),
+    "ns_matrices": lambda: float(hp.optim.muon.stats()["ns_matrices"]),
+}
 
 
 def _hp_rank(rank: int, world_size: int, spec, hparams: OptimHparams) -> RankResult:
@@ -55,7 +62,8 @@ def _hp_rank(rank: int, world_size: int, spec, hparams: OptimHparams) -> RankRes
         hp.fully_shard(layer, mp_policy=spec.mp_policy())
     hp.fully_shard(model, mp_policy=spec.mp_policy())
     muon, adamw = optimizers(model, hparams, lambda params: hp.optim.Muon(params, **hparams.muon_defaults()))
-    return train_rank(model, muon, adamw, spec, hparams, StepTimer(waits=hp.fsdp.comm_wait_seconds), fingerprint)
+    timer = StepTimer(waits=hp.fsdp.comm_wait_seconds, counters=HP_COUNTERS)
+    return train_rank(model, muon, adamw, spec, hparams, timer, fingerprint)
 
 
 def run_hp(spec, hparams: OptimHparams | None = None) -> dict:
