@@ -186,16 +186,21 @@ def train_rank(
     hparams: OptimHparams,
     timer: StepTimer,
     fingerprint: str,
+    splits: int = 1,
 ) -> RankResult:
     """This data-parallel rank's run of ``spec``: its micro-batch of every step, every rank starting
-    each step together; its records, peak RSS and the initial weights' fingerprint."""
+    each step together; its records, peak RSS and the initial weights' fingerprint.
+
+    ``splits`` > 1 accumulates the micro-batch in that many pieces: the same gradient up to the
+    order of its fp32 sums (scaling by 1/splits, a power of two, rounds as the whole would).
+    """
     rank = dist.get_rank()
     tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
     records = train_steps(
         model,
         muon_optimizer,
         adamw_optimizer,
-        lambda step: [tokens.batch(step, spec, rank)],
+        lambda step: tokens.batch(step, spec, rank).chunk(splits),
         spec.steps,
         hparams,
         timer,

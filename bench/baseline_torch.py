@@ -299,6 +299,7 @@ def _baseline_rank(
     hparams: OptimHparams,
     reshard_after_forward: bool,
     muon: str,
+    splits: int,
 ) -> RankResult:
     dist.init_process_group("gloo")
     try:
@@ -313,7 +314,7 @@ def _baseline_rank(
         timer = StepTimer()
         _time_fsdp_collectives(model, timer)
         muon_opt, adamw = optimizers(model, hparams, lambda params: MUONS[muon](params, hparams, timer))
-        return train_rank(model, muon_opt, adamw, spec, hparams, timer, fingerprint)
+        return train_rank(model, muon_opt, adamw, spec, hparams, timer, fingerprint, splits)
     finally:
         dist.destroy_process_group()
 
@@ -323,14 +324,16 @@ def run_baseline(
     reshard_after_forward: bool = True,
     hparams: OptimHparams | None = None,
     muon: str = "gathered",
+    splits: int = 1,
 ) -> dict[str, Any]:
     """One FSDP2 + Muon run over ``spec.nproc`` freshly spawned ranks; the protocol's report.
 
     ``muon``: ``"gathered"`` (:class:`GatheredMuon`, the baseline) or ``"owner"``
-    (:class:`OwnerMuon`, the strong peer).
+    (:class:`OwnerMuon`, the strong peer). ``splits``: see :func:`_timing.train_rank` (only
+    ``bench/loss_gap.py`` changes it).
     """
     results = spawn_ranks(
-        _baseline_rank, spec.nproc, spec, hparams or OptimHparams(), reshard_after_forward, muon
+        _baseline_rank, spec.nproc, spec, hparams or OptimHparams(), reshard_after_forward, muon, splits
     )
     return summarize(SYSTEMS[muon], spec, results, reshard_after_forward=reshard_after_forward)
 
