@@ -239,7 +239,9 @@ def summarize(system: str, spec: RunSpec, ranks: Sequence[RankResult], **extra: 
     after the first ``SKIP_STEPS``. Phase times and CPU times are averaged over ranks per step,
     then the median over the same steps is taken (so the phases need not add up exactly to the
     median step time). The loss is the mean of the ranks' micro-batch losses, which is the
-    global-batch loss because every micro-batch has the same number of tokens.
+    global-batch loss because every micro-batch has the same number of tokens. ``work_per_rank``
+    is what a rank does per step (CPU seconds by phase, bytes moved, Newton-Schulz matrices),
+    medians over the same steps: comparable where ranks share cores and wall time is not.
     """
     fingerprints = {rank.weights_fingerprint for rank in ranks}
     if len(fingerprints) != 1:

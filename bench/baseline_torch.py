@@ -6,6 +6,11 @@ applied the way FSDP2 users do it today: for each Muon parameter every rank gath
 Newton-Schulz on every matrix of it (one per expert for 3-D expert tensors), and applies only the
 rows of its own shard. AdamW runs on the sharded DTensors directly.
 
+The strong peer (``--muon owner``, :class:`OwnerMuon`) is the same FSDP2 setup with Muon as its
+best users write it: experts whose rows a rank holds whole are orthogonalised there, every other
+matrix once by a cost-balanced owner that broadcasts the bf16 result; its losses equal the
+baseline's bit for bit. Both count their work per rank (Gloo bytes, Newton-Schulz matrices).
+
 Run ``python bench/baseline_torch.py --config qwen3-moe-small --steps 10 --nproc 2``; it spawns
 its own ranks and prints one JSON line. ``--check-single`` also runs the single-process reference
 and checks that the per-step losses agree. :func:`run_baseline` is the same run as a function,
