@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -39,6 +40,7 @@ PROTOCOL_SEQ_LEN = {"qwen3-moe-small": 256, "qwen3-moe-bench": 512}
 DEFAULT_SEQ_LEN = 512
 # tokens/s and the time split are medians over the steps after these warm-up steps.
 SKIP_STEPS = 3
+PRECISIONS = ("fp32", "bf16")
 
 
 def bench_dir() -> Path:
@@ -74,8 +76,13 @@ class RunSpec:
     micro_batch: int = 4
     seq_len: int = DEFAULT_SEQ_LEN
     seed: int = 0
+    # "fp32", or "bf16": bf16 compute copies of the parameters, fp32 gradient reduction, fp32
+    # master weights and optimizer state (FSDP2's MixedPrecisionPolicy, for every system).
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.steps <= SKIP_STEPS:
             raise ValueError(f"need more than {SKIP_STEPS} steps: the first {SKIP_STEPS} are warm-up")
         if min(self.nproc, self.micro_batch, self.seq_len) < 1:
@@ -89,6 +96,12 @@ class RunSpec:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The ``mp_policy`` every ``fully_shard`` call of the run takes (torch's and hp's)."""
+        if self.precision == "bf16":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +127,10 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         help="default: 256 for qwen3-moe-small, 512 otherwise (the protocol's lengths)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights and token-stream seed")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="fp32",
+        help="bf16: bf16 parameters in forward/backward, fp32 reduction, fp32 master weights",
+    )
 
 
 def run_spec_from_args(args: argparse.Namespace) -> RunSpec:
@@ -126,6 +143,7 @@ def run_spec_from_args(args: argparse.Namespace) -> RunSpec:
         micro_batch=args.micro_batch,
         seq_len=seq_len,
         seed=args.seed,
+        precision=args.precision,
     )
 
 

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ class StepRecord:
     and ``comm_wait`` is that blocked time. ``comm`` breaks ``comm_wait`` down by kind.
     ``cpu_s`` is the CPU time the whole rank process (all its threads) used over the step: on a
     shared machine it shows how much of ``wall_s`` was the rank's own work rather than waiting
-    for a core.
+    for a core; ``cpu_phases`` splits it by phase (the same process clock). ``counts`` holds the
+    step's work counters (bytes moved, Newton-Schulz matrices; see :class:`StepTimer`).
     """
 
     loss: float
@@ -42,6 +43,8 @@ class StepRecord:
     cpu_s: float
     phases: dict[str, float]
     comm: dict[str, float]
+    cpu_phases: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
 
 
 class StepTimer:
@@ -51,30 +54,53 @@ class StepTimer:
     wait is charged to the phase it happens in and subtracted from that phase's compute time.
     Waits a system counts itself (``waits``: its cumulative seconds, e.g.
     ``hp.fsdp.comm_wait_seconds``) are charged to each phase by the counter's growth over it.
+
+    Work counters: :meth:`count` adds to a step's named count (the Gloo wrappers add the bytes
+    they move); ``counters`` are a system's own cumulative counters (e.g. hp's fabric bytes), read
+    at both ends of each step.
     """
 
-    def __init__(self, waits: Callable[[], float] | None = None, waits_kind: str = "fabric_wait") -> None:
+    def __init__(
+        self,
+        waits: Callable[[], float] | None = None,
+        waits_kind: str = "fabric_wait",
+        counters: dict[str, Callable[[], float]] | None = None,
+    ) -> None:
         self._phase: str | None = None
         self._wall: dict[str, float] = {}
+        self._cpu: dict[str, float] = {}
         self._comm: dict[tuple[str, str], float] = defaultdict(float)
+        self._counts: dict[str, float] = defaultdict(float)
+        self._counters = counters or {}
+        self._counter_start: dict[str, float] = {}
         self._cpu_start = 0.0
         self._waits = waits
         self._waits_kind = waits_kind
 
     def begin_step(self) -> None:
         self._wall.clear()
+        self._cpu.clear()
         self._comm.clear()
+        self._counts.clear()
+        self._counter_start = {name: read() for name, read in self._counters.items()}
         self._cpu_start = time.process_time()
+
+    def count(self, name: str, amount: float) -> None:
+        """Adds ``amount`` to this step's count ``name`` (outside a step: dropped, like :meth:`comm`)."""
+        if self._phase is not None:
+            self._counts[name] += amount
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self._phase = name
         start = time.perf_counter()
+        cpu_start = time.process_time()
         waited = self._waits() if self._waits else 0.0
         try:
             yield
         finally:
             self._wall[name] = self._wall.get(name, 0.0) + time.perf_counter() - start
+            self._cpu[name] = self._cpu.get(name, 0.0) + time.process_time() - cpu_start
             if self._waits:
                 self._comm[(name, self._waits_kind)] += self._waits() - waited
             self._phase = None
@@ -104,6 +130,11 @@ class StepTimer:
             cpu_s=time.process_time() - self._cpu_start,
             phases=phases,
             comm=dict(comm),
+            cpu_phases={name: self._cpu.get(name, 0.0) for name in PHASES},
+            counts={
+                **self._counts,
+                **{name: read() - self._counter_start[name] for name, read in self._counters.items()},
+            },
         )
 
 
@@ -155,16 +186,21 @@ def train_rank(
     hparams: OptimHparams,
     timer: StepTimer,
     fingerprint: str,
+    splits: int = 1,
 ) -> RankResult:
     """This data-parallel rank's run of ``spec``: its micro-batch of every step, every rank starting
-    each step together; its records, peak RSS and the initial weights' fingerprint."""
+    each step together; its records, peak RSS and the initial weights' fingerprint.
+
+    ``splits`` > 1 accumulates the micro-batch in that many pieces: the same gradient up to the
+    order of its fp32 sums (scaling by 1/splits, a power of two, rounds as the whole would).
+    """
     rank = dist.get_rank()
     tokens = SyntheticTokens(model.config.vocab_size, spec.seq_len, spec.seed)
     records = train_steps(
         model,
         muon_optimizer,
         adamw_optimizer,
-        lambda step: [tokens.batch(step, spec, rank)],
+        lambda step: tokens.batch(step, spec, rank).chunk(splits),
         spec.steps,
         hparams,
         timer,
@@ -203,7 +239,9 @@ def summarize(system: str, spec: RunSpec, ranks: Sequence[RankResult], **extra: 
     after the first ``SKIP_STEPS``. Phase times and CPU times are averaged over ranks per step,
     then the median over the same steps is taken (so the phases need not add up exactly to the
     median step time). The loss is the mean of the ranks' micro-batch losses, which is the
-    global-batch loss because every micro-batch has the same number of tokens.
+    global-batch loss because every micro-batch has the same number of tokens. ``work_per_rank``
+    is what a rank does per step (CPU seconds by phase, bytes moved, Newton-Schulz matrices),
+    medians over the same steps: comparable where ranks share cores and wall time is not.
     """
     fingerprints = {rank.weights_fingerprint for rank in ranks}
     if len(fingerprints) != 1:
@@ -216,6 +254,9 @@ def summarize(system: str, spec: RunSpec, ranks: Sequence[RankResult], **extra: 
         per_step = [statistics.fmean(get(rank.steps[i]) for rank in ranks) for i in range(num_steps)]
         return statistics.median(per_step[SKIP_STEPS:])
 
+    count_kinds = sorted({kind for rank in ranks for record in rank.steps for kind in record.counts})
+    counts = {kind: median_over_steps(lambda r, k=kind: r.counts.get(k, 0.0)) for kind in count_kinds}
+    cpu = {name: median_over_steps(lambda r, n=name: r.cpu_phases.get(n, 0.0)) for name in PHASES}
     comm_kinds = sorted({kind for rank in ranks for record in rank.steps for kind in record.comm})
     median_step = statistics.median(walls[SKIP_STEPS:])
     rss = [rank.peak_rss_bytes for rank in ranks]
@@ -240,6 +281,20 @@ def summarize(system: str, spec: RunSpec, ranks: Sequence[RankResult], **extra: 
             kind: median_over_steps(lambda r, k=kind: r.comm.get(k, 0.0)) for kind in comm_kinds
         },
         "step_times_s": walls,
+        "precision": spec.precision,
+        # What a rank does per step, not how long it takes: comparable when ranks share cores.
+        "work_per_rank": {
+            "cpu_s": {**cpu, "total": median_over_steps(lambda r: r.cpu_s)},
+            "bytes_moved": {
+                "gloo": counts.get("gloo_bytes", 0.0),
+                "fabric": counts.get("fabric_bytes", 0.0),
+                "total": counts.get("gloo_bytes", 0.0) + counts.get("fabric_bytes", 0.0),
+            },
+            "ns_matrices": counts.get("ns_matrices", 0.0),
+            "ns_matrices_by_rank": [
+                statistics.median(r.counts.get("ns_matrices", 0.0) for r in rank.steps[SKIP_STEPS:]) for rank in ranks
+            ],
+        },
         "weights_fingerprint": fingerprints.pop(),
         **extra,
     }
