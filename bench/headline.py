@@ -44,11 +44,12 @@ from baseline_torch import run_baseline
 import hyperparallel as hp
 
 SYSTEM = "hyperparallel"
-# hp's own cumulative work counters. The fabric's bytes are memory traffic of its copies and
-# reduce-scatter reads (comm's bytes_copied, bytes_reduced); its all-gather copies nothing, and
-# Muon's owners read and write peers' rows in shared memory in place, uncounted by the fabric.
+# hp's own cumulative work counters. The fabric's bytes are memory traffic across ranks: comm's
+# copies and reduce-scatter reads (bytes_copied, bytes_reduced; its all-gather copies nothing)
+# and the bf16 rows Muon reads from other ranks (an owner's rows held elsewhere, a holder's rows
+# of the results).
 HP_COUNTERS = {
-    "fabric_bytes": lambda: float(sum(hp.comm.stats().values())),
+    "fabric_bytes": lambda: float(sum(hp.comm.stats().values()) + hp.optim.muon.stats()["muon_peer_bytes"]),
     "ns_matrices": lambda: float(hp.optim.muon.stats()["ns_matrices"]),
 }
 
