@@ -43,6 +43,13 @@ class Components:
 
     gemm_fp32_flops: float
     gemm_bf16_flops: float
+    # Achieved forward+backward FLOP/s of one decoder layer + lm_head of qwen3-moe-bench at
+    # 4 x 512 tokens: HF's modules and hp.nn.patch's, fp32 and bf16 (what a GEMM rate misses:
+    # attention, routing, elementwise, autograd).
+    hf_fp32_flops: float
+    hp_fp32_flops: float
+    hf_bf16_flops: float
+    hp_bf16_flops: float
     ns_torch_flops: float  # torch's _zeropower_via_newtonschulz, bf16, per-matrix calls
     ns_hp_flops: float  # hp.optim.Muon's batched NS and update, same shapes
     memcpy_bps: float
@@ -208,10 +215,8 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
             args: argparse.Namespace) -> Prediction:
     """The per-rank step of `system` at `world` ranks."""
     elem = 2 if args.precision == "bf16" else 4
-    rate = comp.gemm_bf16_flops if args.precision == "bf16" else comp.gemm_fp32_flops
-    # The fused modules and HF's differ by a measured ratio the lead supplies (bench/nn_modules.py).
-    hf = 1.0 if system == "hp" else args.hf_factor
-    fwd = tokens * shape.flops_per_token(seq) / rate * hf
+    rate = getattr(comp, f"{'hp' if system == 'hp' else 'hf'}_{args.precision}_flops")
+    fwd = tokens * shape.flops_per_token(seq) / rate
     bwd = 2 * fwd
     P, N = shape.params, world
     counts, flops_by_rank = ns_per_rank(shape, N, system)
@@ -283,6 +288,28 @@ def _gloo_rank(rank: int, world: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
+def _layer_rate(modules: str, dtype: torch.dtype) -> float:
+    """Forward+backward FLOP/s of a one-layer qwen3-moe-bench at 4 x 512 tokens."""
+    import transformers
+    import hyperparallel as hp
+    config = json.loads((Path(__file__).resolve().parents[1].parent / "shared" / "bench" /
+                         "qwen3-moe-bench.config.json").read_text())
+    config["num_hidden_layers"] = 1
+    torch.manual_seed(0)
+    net = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config)).to(dtype)
+    if modules == "hp":
+        hp.nn.patch(net)
+    ids = torch.randint(0, config["vocab_size"], (4, 512))
+
+    def step():
+        net(input_ids=ids, labels=ids).loss.backward()
+
+    shape = Shape(1, config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                  config["head_dim"], config["num_experts"], config["num_experts_per_tok"],
+                  config["moe_intermediate_size"], config["vocab_size"])
+    return 3 * ids.numel() * shape.flops_per_token(512) / _best(step, 2)
+
+
 def measure() -> Components:
     """Component costs on this machine, one thread (noisy where the cores are shared)."""
     torch.set_num_threads(1)
@@ -290,6 +317,8 @@ def measure() -> Components:
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(2048, 512, dtype=dtype), torch.randn(512, 768, dtype=dtype)
         gemm[dtype] = 2 * 2048 * 512 * 768 / _best(lambda: a @ b)
+    achieved = {key: _layer_rate(*key) for key in (("hf", torch.float32), ("hp", torch.float32),
+                                                    ("hf", torch.bfloat16), ("hp", torch.bfloat16))}
     from torch.optim._muon import _zeropower_via_newtonschulz
     mats = [torch.randn(384, 512) for _ in range(4)]
     t = _best(lambda: [_zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), NS_STEPS, 1e-7) for m in mats])
@@ -316,7 +345,7 @@ def measure() -> Components:
         pr.join()
     latency = res["small"]
     bw = (4 << 20) * 4 / max(res["big"] - latency, 1e-9)  # one rank's half crosses per all-gather
-    return Components(gemm[torch.float32], gemm[torch.bfloat16], ns_torch, ns_hp, memcpy, latency, bw, op)
+    return Components(gemm[torch.float32], gemm[torch.bfloat16], *achieved.values(), ns_torch, ns_hp, memcpy, latency, bw, op)
 
 
 # ----- report ----------------------------------------------------------------------------------
@@ -368,7 +397,10 @@ def check(preds_for, files: list[str]) -> None:
             p = preds_for(rec["config"], N, system, rec.get("precision", "fp32"))
             head = f"{rec['system']} {rec['config']} N={N}:"
             if N <= 2:
-                print(head, "step", verdict(p.step, rec["step_time_median_s"]))
+                cpu = rec.get("work_per_rank", {}).get("cpu_s", {})
+                print(head, "step", verdict(p.step, rec["step_time_median_s"]),
+                      "(cpu s f/b/opt predicted", f"{p.forward:.3g}/{p.backward:.3g}/{p.optimizer:.3g}, measured",
+                      "/".join(f"{cpu.get(k, 0):.3g}" for k in ("forward", "backward", "optimizer")) + ")")
             else:
                 work = rec["work_per_rank"]
                 cpu = work["cpu_s"]
@@ -387,15 +419,13 @@ def main() -> None:
     parser.add_argument("--node-ranks", type=int, default=32, help="ranks sharing one node's memory")
     parser.add_argument("--net-gbps", type=float, default=100.0, help="inter-node network, Gb/s per node")
     parser.add_argument("--net-latency-us", type=float, default=10.0)
-    parser.add_argument("--hf-factor", type=float, default=1.0,
-                        help="HF modules' forward/backward time over the fused modules' (bench/nn_modules.py)")
     args = parser.parse_args()
     comp = Components(**json.loads(Path(args.components).read_text())) if args.components else measure()
     if args.save_components:
         Path(args.save_components).write_text(json.dumps(asdict(comp), indent=1))
     print("components (this machine, one thread):", json.dumps(asdict(comp)))
     print(f"assumptions: node = {args.node_ranks} ranks, network {args.net_gbps} Gb/s {args.net_latency_us} us, "
-          f"tokens/rank {CONFIGS}, HF/fused {args.hf_factor}, Gloo not overlapped with compute")
+          f"tokens/rank {CONFIGS}, Gloo not overlapped with compute")
     preds = tables(comp, args)
     targets(preds)
 
