@@ -193,8 +193,8 @@ class Prediction:
     backward: float
     optimizer: float
     comm_wait: float
-    gloo_bytes: float
-    fabric_bytes: float
+    gloo_bytes: float  # sent + received per rank and step
+    fabric_bytes: float  # hp's node-shared reads and writes, counted the same way
     ns_matrices: int
 
     @property
@@ -259,7 +259,9 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
             # Copy-in/out of FSDP2's flat buffers.
             fwd += P * elem * 2 / comp.memcpy_bps
             wait = _transfer(gloo, msgs, N, comp, args)
-    return Prediction(system, N, fwd, bwd, opt, wait, gloo, fabric, ns_count)
+    # Reported as headline.py counts them: what a rank sends plus what it receives (twice what
+    # crosses its link inbound, which is what the time above is charged for).
+    return Prediction(system, N, fwd, bwd, opt, wait, 2 * gloo, 2 * fabric, ns_count)
 
 
 # ----- measurement -----------------------------------------------------------------------------
