@@ -212,8 +212,12 @@ def _transfer(bytes_: float, messages: int, world: int, comp: Components, args: 
 
 
 def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: Components,
-            args: argparse.Namespace) -> Prediction:
-    """The per-rank step of `system` at `world` ranks."""
+            args: argparse.Namespace, reshard: bool | None = None) -> Prediction:
+    """The per-rank step of `system` at `world` ranks; FSDP2's reshard_after_forward as given,
+    or the faster of the two (the protocol gives the baseline its best setting)."""
+    if reshard is None and system != "hp":
+        return min((predict(shape, tokens, seq, world, system, comp, args, r) for r in (True, False)),
+                   key=lambda p: p.step)
     elem = 2 if args.precision == "bf16" else 4
     rate = getattr(comp, f"{'hp' if system == 'hp' else 'hf'}_{args.precision}_flops")
     fwd = tokens * shape.flops_per_token(seq) / rate
@@ -235,8 +239,9 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
         if system == "hp":
             R = min(N, args.node_ranks)
             nodes = N // R
-            # Reduce-scatter in the node: read one's rows of R gradients (counted as backward CPU).
-            fabric = P * 4 * (R - 1) / R
+            # Reduce-scatter in the node: read one's rows of R gradients (counted as backward CPU);
+            # hp.comm.stats counts those reads, its own buffer's included (halved below, as Gloo's).
+            fabric = P * 4 / 2
             bwd += P * 4 / comp.memcpy_bps
             if nodes > 1:
                 # HSDP: all-reduce of the shards between counterparts; Muon results by all_to_all.
@@ -244,8 +249,8 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
                 wait = _transfer(gloo, 2 * shape.layers, nodes, comp, argparse.Namespace(
                     node_ranks=1, net_gbps=args.net_gbps, net_latency_us=args.net_latency_us))
         else:
-            # FSDP2: all-gather in forward and again in backward (reshard), reduce-scatter (fp32).
-            gloo = P * shard * (2 * elem + 4)
+            # FSDP2: all-gather in forward, again in backward if resharded, reduce-scatter (fp32).
+            gloo = P * shard * ((2 if reshard else 1) * elem + 4)
             msgs = 3 * (shape.layers + 1)
             if system == "gathered":
                 gloo += shape.muon_params * 4 * shard  # full_tensor of every Muon update
@@ -396,7 +401,7 @@ def check(preds_for, files: list[str]) -> None:
             if system is None or rec.get("config") not in CONFIGS and rec.get("config") != "qwen3-moe-small":
                 continue
             N = rec["world_size"]
-            p = preds_for(rec["config"], N, system, rec.get("precision", "fp32"))
+            p = preds_for(rec["config"], N, system, rec.get("precision", "fp32"), rec.get("reshard_after_forward"))
             head = f"{rec['system']} {rec['config']} N={N}:"
             if N <= 2:
                 cpu = rec.get("work_per_rank", {}).get("cpu_s", {})
@@ -431,10 +436,10 @@ def main() -> None:
     preds = tables(comp, args)
     targets(preds)
 
-    def preds_for(cfg, N, system, precision):
+    def preds_for(cfg, N, system, precision, reshard):
         a = argparse.Namespace(**{**vars(args), "precision": precision})
         shape = load_shape(cfg)
-        return predict(shape, CONFIGS.get(cfg, 4 * 256), SEQ.get(cfg, 256), N, system, comp, a)
+        return predict(shape, CONFIGS.get(cfg, 4 * 256), SEQ.get(cfg, 256), N, system, comp, a, reshard)
 
     check(preds_for, args.measured)
 

@@ -70,11 +70,14 @@ def test_bytes_by_hand():
     P, Pm, N = TINY.params, TINY.muon_params, 4
     # Sent + received: twice the inbound bytes of all-gathers (fwd, bwd), reduce-scatter, full_tensor.
     hand = {"gathered": 2 * (P * 3 / 4 * (2 * 4 + 4) + Pm * 4 * 3 / 4)}
-    g = model.predict(TINY, 64, 16, N, "gathered", COMP, ARGS)
+    g = model.predict(TINY, 64, 16, N, "gathered", COMP, ARGS, reshard=True)
     assert g.gloo_bytes == pytest.approx(hand["gathered"])
     h = model.predict(TINY, 64, 16, N, "hp", COMP, ARGS)
-    assert (h.gloo_bytes, h.fabric_bytes) == (0, pytest.approx(2 * P * 4 * 3 / 4))
+    assert (h.gloo_bytes, h.fabric_bytes) == (0, pytest.approx(P * 4))  # every rank's rows read once
     assert model.predict(TINY, 64, 16, 8, "hp", COMP, ARGS).gloo_bytes > 0  # two nodes: HSDP
+    # Without resharding the backward all-gather goes: one fewer parameter pass.
+    kept = model.predict(TINY, 64, 16, N, "gathered", COMP, ARGS, reshard=False)
+    assert g.gloo_bytes - kept.gloo_bytes == pytest.approx(2 * P * 3 / 4 * 4)
 
 
 def test_sanity():
