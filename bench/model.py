@@ -102,7 +102,7 @@ class Shape:
 
     @property
     def tensors(self) -> int:
-        return self.layers * 10 + 3  # 4 attn, 2 qk-norms, router, 2 expert stacks... and 2 norms
+        return self.layers * 11 + 3  # per layer 4 projections, 2 qk-norms, router, 2 expert stacks, 2 norms; embed, lm_head, norm
 
     def flops_per_token(self, seq: int) -> float:
         """Forward FLOPs: projections, causal attention, router, top-k experts, lm_head."""
