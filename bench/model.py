@@ -102,7 +102,8 @@ class Shape:
 
     @property
     def tensors(self) -> int:
-        return self.layers * 11 + 3  # per layer 4 projections, 2 qk-norms, router, 2 expert stacks, 2 norms; embed, lm_head, norm
+        # Per layer 4 projections, 2 qk-norms, router, 2 expert stacks, 2 norms; embed, lm_head, norm.
+        return self.layers * 11 + 3
 
     def flops_per_token(self, seq: int) -> float:
         """Forward FLOPs: projections, causal attention, router, top-k experts, lm_head."""
@@ -162,14 +163,15 @@ def ns_per_rank(shape: Shape, world: int, system: str) -> tuple[list[int], list[
             per_layer = m.count // shape.layers
             if m.expert and system == "owner":
                 local = shape.experts % world == 0
-                items += [(chunk, m.rows, m.cols, g) for g in range(world)] if local else [(per_layer, m.rows, m.cols, -1)]
+                items += ([(chunk, m.rows, m.cols, g) for g in range(world)] if local
+                          else [(per_layer, m.rows, m.cols, -1)])
             else:
                 items += [(1, m.rows, m.cols, e // chunk if m.expert and world <= shape.experts else -1)
                           for e in range(per_layer)]
     count, flops = [0] * world, [0.0] * world
     if system == "hp":
-        owner = assign_owners([r * c * min(r, c) for _, r, c, _ in items], [[h] if h >= 0 else [] for *_, h in items],
-                              world)
+        costs = [r * c * min(r, c) for _, r, c, _ in items]
+        owner = assign_owners(costs, [[h] if h >= 0 else [] for *_, h in items], world)
     else:
         free = [i for i, it in enumerate(items) if it[3] < 0]
         lpt = assign_owners([items[i][0] * items[i][1] * items[i][2] * min(items[i][1:3]) for i in free],
@@ -328,7 +330,8 @@ def measure() -> Components:
                                                     ("hf", torch.bfloat16), ("hp", torch.bfloat16))}
     from torch.optim._muon import _zeropower_via_newtonschulz
     mats = [torch.randn(384, 512) for _ in range(4)]
-    t = _best(lambda: [_zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), NS_STEPS, 1e-7) for m in mats])
+    coefficients = (3.4445, -4.7750, 2.0315)
+    t = _best(lambda: [_zeropower_via_newtonschulz(m, coefficients, NS_STEPS, 1e-7) for m in mats])
     ns_torch = 4 * ns_flops(384, 512) / t
     import hyperparallel as hp
     p = torch.nn.Parameter(torch.randn(4, 384, 512))
@@ -352,7 +355,8 @@ def measure() -> Components:
         pr.join()
     latency = res["small"]
     bw = (4 << 20) * 4 / max(res["big"] - latency, 1e-9)  # one rank's half crosses per all-gather
-    return Components(gemm[torch.float32], gemm[torch.bfloat16], *achieved.values(), ns_torch, ns_hp, memcpy, latency, bw, op)
+    return Components(gemm[torch.float32], gemm[torch.bfloat16], *achieved.values(), ns_torch, ns_hp, memcpy,
+                      latency, bw, op)
 
 
 # ----- report ----------------------------------------------------------------------------------
@@ -365,7 +369,8 @@ def tables(comp: Components, args: argparse.Namespace) -> dict[tuple[str, int, s
         print("| N | hp s | gathered s | owner s | hp/gathered | hp/owner | hp split f/b/opt/wait |")
         print("|---|---|---|---|---|---|---|")
         for N in WORLDS:
-            row = {s: predict(shape, tokens, SEQ[name], N, s, comp, args) for s in ("hp", "gathered", "owner")}
+            row = {s: predict(shape, tokens, SEQ[name], N, s, comp, args)
+                   for s in ("hp", "gathered", "owner")}
             preds.update({(name, N, s): p for s, p in row.items()})
             h = row["hp"]
             print(f"| {N} | {h.step:.3g} | {row['gathered'].step:.3g} | {row['owner'].step:.3g} | "
@@ -379,13 +384,15 @@ def targets(preds: dict) -> None:
         return preds[(cfg, N, other)].step / preds[(cfg, N, "hp")].step
 
     seed = [(c, N) for c in CONFIGS for N in WORLDS if N > 1 and ratio(c, N, "gathered") > 3]
-    print("\nSeed's '>3x vs FSDP2+Muon': " + (", ".join(f"{c} N={N}" for c, N in seed) or "nowhere in the model"))
+    where = ", ".join(f"{c} N={N}" for c, N in seed) or "nowhere in the model"
+    print(f"\nSeed's '>3x vs FSDP2+Muon': {where}")
     for cfg, N, other, goal in (("qwen3-moe-bench", 8, "owner", 2.5), ("qwen3-moe-bench", 8, "gathered", 3.5),
                                 ("qwen3-30b-a3b", 64, "gathered", 3.0)):
         r = ratio(cfg, N, other)
         o = preds[(cfg, N, other)]
         print(f"target {cfg} N={N} >= {goal}x {other}: {r:.2f}x {'MET' if r >= goal else 'NOT MET'}; "
-              f"{other} split f/b/opt/wait {o.forward:.3g}/{o.backward:.3g}/{o.optimizer:.3g}/{o.comm_wait:.3g} s")
+              f"{other} split f/b/opt/wait "
+              f"{o.forward:.3g}/{o.backward:.3g}/{o.optimizer:.3g}/{o.comm_wait:.3g} s")
 
 
 def check(preds_for, files: list[str]) -> None:
@@ -401,27 +408,32 @@ def check(preds_for, files: list[str]) -> None:
             if system is None or rec.get("config") not in CONFIGS and rec.get("config") != "qwen3-moe-small":
                 continue
             N = rec["world_size"]
-            p = preds_for(rec["config"], N, system, rec.get("precision", "fp32"), rec.get("reshard_after_forward"))
+            p = preds_for(rec["config"], N, system, rec.get("precision", "fp32"),
+                          rec.get("reshard_after_forward"))
             head = f"{rec['system']} {rec['config']} N={N}:"
             if N <= 2:
                 cpu = rec.get("work_per_rank", {}).get("cpu_s", {})
                 print(head, "step", verdict(p.step, rec["step_time_median_s"]),
-                      "(cpu s f/b/opt predicted", f"{p.forward:.3g}/{p.backward:.3g}/{p.optimizer:.3g}, measured",
+                      "(cpu s f/b/opt predicted",
+                      f"{p.forward:.3g}/{p.backward:.3g}/{p.optimizer:.3g}, measured",
                       "/".join(f"{cpu.get(k, 0):.3g}" for k in ("forward", "backward", "optimizer")) + ")")
             else:
                 work = rec["work_per_rank"]
                 cpu = work["cpu_s"]
-                print(head, "fwd", verdict(p.forward, cpu["forward"]), "| bwd", verdict(p.backward, cpu["backward"]),
+                print(head, "fwd", verdict(p.forward, cpu["forward"]),
+                      "| bwd", verdict(p.backward, cpu["backward"]),
                       "| opt", verdict(p.optimizer, cpu["optimizer"]),
                       "| bytes", verdict(p.gloo_bytes + p.fabric_bytes, work["bytes_moved"]["total"]),
                       "| ns", verdict(p.ns_matrices, work["ns_matrices"]))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--components", help="reuse a saved JSON of component costs instead of measuring")
     parser.add_argument("--save-components", help="write the measured component costs here (do not commit)")
-    parser.add_argument("--measured", nargs="*", default=[], help="headline.py --json-out files to check against")
+    parser.add_argument("--measured", nargs="*", default=[],
+                        help="headline.py --json-out files to check against")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--node-ranks", type=int, default=32, help="ranks sharing one node's memory")
     parser.add_argument("--net-gbps", type=float, default=100.0, help="inter-node network, Gb/s per node")
@@ -431,7 +443,8 @@ def main() -> None:
     if args.save_components:
         Path(args.save_components).write_text(json.dumps(asdict(comp), indent=1))
     print("components (this machine, one thread):", json.dumps(asdict(comp)))
-    print(f"assumptions: node = {args.node_ranks} ranks, network {args.net_gbps} Gb/s {args.net_latency_us} us, "
+    print(f"assumptions: node = {args.node_ranks} ranks, "
+          f"network {args.net_gbps} Gb/s {args.net_latency_us} us, "
           f"tokens/rank {CONFIGS}, Gloo not overlapped with compute")
     preds = tables(comp, args)
     targets(preds)

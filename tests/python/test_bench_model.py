@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import model  # noqa: E402
 
 # Small enough to run in a second; 6 experts do not divide over 4 ranks, so homes and splits both occur.
-TINY = model.Shape(layers=2, hidden=16, heads=2, kv_heads=1, head_dim=8, experts=6, topk=2, moe_inter=8, vocab=32)
+TINY = model.Shape(layers=2, hidden=16, heads=2, kv_heads=1, head_dim=8, experts=6, topk=2, moe_inter=8,
+                   vocab=32)
 COMP = model.Components(1e10, 2e10, 5e9, 6e9, 8e9, 9e9, 2e10, 4e10, 1e10, 1e-4, 1e9, 1e-6)
 ARGS = argparse.Namespace(precision="fp32", node_ranks=4, net_gbps=100.0, net_latency_us=10.0)
 
