@@ -198,6 +198,10 @@ class Prediction:
     gloo_bytes: float  # sent + received per rank and step
     fabric_bytes: float  # hp's node-shared reads and writes, counted the same way
     ns_matrices: int
+    # CPU seconds by phase: the compute above plus the CPU a rank spends moving its Gloo bytes
+    # (over loopback TCP the transfer is the kernel's copies on the rank's own core), which is
+    # what an oversubscribed run's process_time measures and wall time cannot separate.
+    cpu: dict[str, float]
 
     @property
     def step(self) -> float:
@@ -236,6 +240,7 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
         opt += 6 * shape.tensors * comp.op_overhead_s
     gloo = fabric = 0.0
     wait = 0.0
+    by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # torch's Gloo bytes (inbound)
     if N > 1:
         shard = (N - 1) / N
         if system == "hp":
@@ -252,23 +257,27 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
                     node_ranks=1, net_gbps=args.net_gbps, net_latency_us=args.net_latency_us))
         else:
             # FSDP2: all-gather in forward, again in backward if resharded, reduce-scatter (fp32).
-            gloo = P * shard * ((2 if reshard else 1) * elem + 4)
+            by_phase["forward"] = P * shard * elem
+            by_phase["backward"] = P * shard * ((1 if reshard else 0) * elem + 4)
             msgs = 3 * (shape.layers + 1)
             if system == "gathered":
-                gloo += shape.muon_params * 4 * shard  # full_tensor of every Muon update
+                by_phase["optimizer"] = shape.muon_params * 4 * shard  # full_tensor of every update
                 msgs += sum(m.count // (shape.experts if m.expert else 1) for m in shape.matrices)
             else:
                 whole = shape.experts % N == 0
                 dense = sum(m.rows * m.cols * m.count for m in shape.matrices if not (m.expert and whole))
                 # An owner gathers its 1/N of the dense updates; every rank receives every bf16 result.
-                gloo += dense * 4 * shard / N + dense * 2 * shard
+                by_phase["optimizer"] = dense * 4 * shard / N + dense * 2 * shard
                 msgs += 2 * sum(m.count for m in shape.matrices if not m.expert)
+            gloo = sum(by_phase.values())
             # Copy-in/out of FSDP2's flat buffers.
             fwd += P * elem * 2 / comp.memcpy_bps
             wait = _transfer(gloo, msgs, N, comp, args)
     # Reported as headline.py counts them: what a rank sends plus what it receives (twice what
     # crosses its link inbound, which is what the time above is charged for).
-    return Prediction(system, N, fwd, bwd, opt, wait, 2 * gloo, 2 * fabric, ns_count)
+    compute = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    cpu = {phase: compute[phase] + by_phase[phase] / comp.gloo_bps for phase in compute}
+    return Prediction(system, N, fwd, bwd, opt, wait, 2 * gloo, 2 * fabric, ns_count, cpu)
 
 
 # ----- measurement -----------------------------------------------------------------------------
@@ -395,6 +404,20 @@ def targets(preds: dict) -> None:
               f"{o.forward:.3g}/{o.backward:.3g}/{o.optimizer:.3g}/{o.comm_wait:.3g} s")
 
 
+def seed_sweep(comp: Components, args: argparse.Namespace, N: int = 64) -> None:
+    """Where the seed's 3x lies for Qwen3-30B-A3B: the gathered baseline's Newton-Schulz is the
+    same on every rank whatever the batch, the forward and backward grow with it, so the ratio
+    is set by the tokens each rank trains on per optimizer step."""
+    shape = load_shape("qwen3-30b-a3b")
+    cells = []
+    for tokens in (2048, 4096, 8192, 16384, 32768):
+        seq = min(tokens, SEQ["qwen3-30b-a3b"])
+        row = {s: predict(shape, tokens, seq, N, s, comp, args) for s in ("hp", "gathered", "owner")}
+        cells.append(f"{tokens}: {row['gathered'].step / row['hp'].step:.2f}x gathered, "
+                     f"{row['owner'].step / row['hp'].step:.2f}x owner")
+    print(f"qwen3-30b-a3b N={N}, hp's ratio by tokens per rank and step: " + "; ".join(cells))
+
+
 def check(preds_for, files: list[str]) -> None:
     """Predicted against headline.py's --json-out lines: step time at 1-2 ranks, work at 4-8."""
     def verdict(p, m):
@@ -420,9 +443,9 @@ def check(preds_for, files: list[str]) -> None:
             else:
                 work = rec["work_per_rank"]
                 cpu = work["cpu_s"]
-                print(head, "fwd", verdict(p.forward, cpu["forward"]),
-                      "| bwd", verdict(p.backward, cpu["backward"]),
-                      "| opt", verdict(p.optimizer, cpu["optimizer"]),
+                print(head, "cpu s: fwd", verdict(p.cpu["forward"], cpu["forward"]),
+                      "| bwd", verdict(p.cpu["backward"], cpu["backward"]),
+                      "| opt", verdict(p.cpu["optimizer"], cpu["optimizer"]),
                       "| bytes", verdict(p.gloo_bytes + p.fabric_bytes, work["bytes_moved"]["total"]),
                       "| ns", verdict(p.ns_matrices, work["ns_matrices"]))
 
@@ -448,6 +471,7 @@ def main() -> None:
           f"tokens/rank {CONFIGS}, Gloo not overlapped with compute")
     preds = tables(comp, args)
     targets(preds)
+    seed_sweep(comp, args)
 
     def preds_for(cfg, N, system, precision, reshard):
         a = argparse.Namespace(**{**vars(args), "precision": precision})

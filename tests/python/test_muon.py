@@ -152,7 +152,7 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
     for step in range(4):
         _set_grads(step, params)
         optimizer.step()
-    assert hpo.stats() == {"ns_calls": 2 * 4, "ns_matrices": 6 * 4}
+    assert hpo.stats() == {"ns_calls": 2 * 4, "ns_matrices": 6 * 4, "muon_peer_bytes": 0}  # one process
     assert sorted(optimizer.owned()) == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1)]
 
 
