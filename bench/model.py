@@ -393,8 +393,8 @@ def targets(preds: dict) -> None:
         return preds[(cfg, N, other)].step / preds[(cfg, N, "hp")].step
 
     seed = [(c, N) for c in CONFIGS for N in WORLDS if N > 1 and ratio(c, N, "gathered") > 3]
-    where = ", ".join(f"{c} N={N}" for c, N in seed) or "nowhere in the model"
-    print(f"\nSeed's '>3x vs FSDP2+Muon': {where}")
+    where = ", ".join(f"{c} N={N}" for c, N in seed) or "nowhere"
+    print(f"\nSeed's '>3x vs FSDP2+Muon' at the tokens per rank above: {where} (by tokens per rank: below)")
     for cfg, N, other, goal in (("qwen3-moe-bench", 8, "owner", 2.5), ("qwen3-moe-bench", 8, "gathered", 3.5),
                                 ("qwen3-30b-a3b", 64, "gathered", 3.0)):
         r = ratio(cfg, N, other)
