@@ -117,6 +117,16 @@ def broadcast_bytes(full_bytes: int, world: int, is_source: bool) -> int:
     return (world - 1) * full_bytes if is_source else full_bytes
 
 
+def _momentum_update(state: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
+    """torch.optim.Muon's momentum buffer and Nesterov correction, on the rows ``grad`` holds
+    (elementwise, so a shard's rows need no gather)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, 1 - group["momentum"])
+    return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+
 class GatheredMuon(torch.optim.Optimizer):
     """``torch.optim.Muon`` for FSDP2-sharded parameters, gathering every update in full.
 
@@ -137,19 +147,12 @@ class GatheredMuon(torch.optim.Optimizer):
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             lr = group["lr"]
-            momentum = group["momentum"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 if not isinstance(param, DTensor):
                     raise TypeError("GatheredMuon expects FSDP2-sharded (DTensor) parameters")
-                grad = param.grad
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = _momentum_update(self.state[param], param.grad, group)
                 self._timer.count("gloo_bytes", all_gather_bytes(update.to_local().nbytes, dist.get_world_size()))
                 with self._timer.comm("muon_gather"):
                     full_update = update.full_tensor()
@@ -235,17 +238,10 @@ class OwnerMuon(torch.optim.Optimizer):
         rank, world = dist.get_rank(), dist.get_world_size()
         for group in self.param_groups:
             lr = group["lr"]
-            momentum = group["momentum"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = _momentum_update(self.state[param], param.grad, group)
                 if id(param) in self._local:
                     own_rows = self._orthogonalise(update.to_local(), group)
                 else:
