@@ -23,7 +23,8 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ WORLDS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # headline.py's system names -> the model's; a third name the peer picks maps here.
 SYSTEMS = {"hyperparallel": "hp", "torch-fsdp2-muon": "gathered", "torch-fsdp2-owner-muon": "owner"}
 NS_STEPS = 5
+# Configs whose every Muon matrix shape gets its own measured NS rate (the ones run here).
+MEASURED_SHAPES = ("qwen3-moe-small", "qwen3-moe-bench")
 TOL = 0.15
 
 
@@ -56,6 +59,17 @@ class Components:
     gloo_latency_s: float
     gloo_bps: float
     op_overhead_s: float  # one small torch op: the per-parameter cost of a Python optimizer loop
+    # The two NS rates above per matrix shape ("ROWSxCOLS"), measured for the shapes of the configs
+    # that run here: small matrices run further from peak. A shape not measured (Qwen3-30B-A3B's:
+    # one NS of them takes seconds) takes the rates above.
+    ns_torch_by_shape: dict[str, float] = field(default_factory=dict)
+    ns_hp_by_shape: dict[str, float] = field(default_factory=dict)
+
+    def ns_seconds(self, system: str, rows: int, cols: int) -> float:
+        """One NS of a rows x cols matrix by `system`'s implementation."""
+        by_shape, rate = ((self.ns_hp_by_shape, self.ns_hp_flops) if system == "hp"
+                          else (self.ns_torch_by_shape, self.ns_torch_flops))
+        return ns_flops(rows, cols) / by_shape.get(f"{rows}x{cols}", rate)
 
 
 @dataclass
@@ -146,15 +160,16 @@ def assign_owners(costs: list[int], homes: list[list[int]], ranks: int) -> list[
     return owner
 
 
-def ns_per_rank(shape: Shape, world: int, system: str) -> tuple[list[int], list[float]]:
-    """NS matrices and FLOPs of each rank per step. Gathered: every matrix on every rank. hp
+def ns_per_rank(shape: Shape, world: int, system: str,
+                cost: Callable[[int, int], float] = lambda r, c: ns_flops(r, c)) -> tuple[list[int], list[float]]:
+    """NS matrices of each rank per step, and their `cost` (default FLOPs). Gathered: every matrix on every rank. hp
     (csrc/optim/muon.cpp): each matrix, in parameter order, balanced over the job, an expert
     preferring the rank that holds its rows. Owner peer (baseline_torch.OwnerMuon): an expert stack
     whose experts divide evenly stays on its holders, every other parameter goes whole to an LPT
     owner."""
     if system == "gathered" or world == 1:
         count = sum(m.count for m in shape.matrices)
-        flops = sum(m.count * ns_flops(m.rows, m.cols) for m in shape.matrices)
+        flops = sum(m.count * cost(m.rows, m.cols) for m in shape.matrices)
         return [count] * world, [flops] * world
     chunk = math.ceil(shape.experts / world)
     items = []  # (count, rows, cols, home or -1)
@@ -181,7 +196,7 @@ def ns_per_rank(shape: Shape, world: int, system: str) -> tuple[list[int], list[
             owner[i] = o
     for (n, r, c, _), o in zip(items, owner):
         count[o] += n
-        flops[o] += n * ns_flops(r, c)
+        flops[o] += n * cost(r, c)
     return count, flops
 
 
@@ -229,13 +244,12 @@ def predict(shape: Shape, tokens: int, seq: int, world: int, system: str, comp: 
     fwd = tokens * shape.flops_per_token(seq) / rate
     bwd = 2 * fwd
     P, N = shape.params, world
-    counts, flops_by_rank = ns_per_rank(shape, N, system)
-    busiest = max(range(N), key=lambda g: flops_by_rank[g])
-    ns_count, flops = counts[busiest], flops_by_rank[busiest]
-    ns_rate = comp.ns_hp_flops if system == "hp" else comp.ns_torch_flops
+    counts, ns_s = ns_per_rank(shape, N, system, lambda r, c: comp.ns_seconds(system, r, c))
+    busiest = max(range(N), key=lambda g: ns_s[g])
+    ns_count = counts[busiest]
     # Elementwise optimizer work on a rank's shard: ~6 passes of its fp32 state (grad, param,
     # momentum, Adam's two moments), plus one Python op per tensor per pass for torch.
-    opt = flops / ns_rate + 6 * 4 * P / N / comp.memcpy_bps
+    opt = ns_s[busiest] + 6 * 4 * P / N / comp.memcpy_bps
     if system != "hp":
         opt += 6 * shape.tensors * comp.op_overhead_s
     gloo = fabric = 0.0
@@ -328,6 +342,15 @@ def _layer_rate(modules: str, dtype: torch.dtype) -> float:
     return 3 * ids.numel() * shape.flops_per_token(512) / _best(step, 2)
 
 
+def _ns_hp_rate(rows: int, cols: int) -> float:
+    """FLOP/s of hp.optim.Muon's step on 4 same-shape matrices (one batched NS, and the update)."""
+    import hyperparallel as hp
+    p = torch.nn.Parameter(torch.randn(4, rows, cols))
+    p.grad = torch.randn_like(p)
+    opt = hp.optim.Muon([p], lr=1e-3, adjust_lr_fn="match_rms_adamw")
+    return 4 * ns_flops(rows, cols) / _best(opt.step)
+
+
 def measure() -> Components:
     """Component costs on this machine, one thread (noisy where the cores are shared)."""
     torch.set_num_threads(1)
@@ -342,11 +365,14 @@ def measure() -> Components:
     coefficients = (3.4445, -4.7750, 2.0315)
     t = _best(lambda: [_zeropower_via_newtonschulz(m, coefficients, NS_STEPS, 1e-7) for m in mats])
     ns_torch = 4 * ns_flops(384, 512) / t
-    import hyperparallel as hp
-    p = torch.nn.Parameter(torch.randn(4, 384, 512))
-    p.grad = torch.randn_like(p)
-    opt = hp.optim.Muon([p], lr=1e-3, adjust_lr_fn="match_rms_adamw")
-    ns_hp = 4 * ns_flops(384, 512) / _best(opt.step)
+    ns_hp = _ns_hp_rate(384, 512)
+    shapes = sorted({(m.rows, m.cols) for name in MEASURED_SHAPES for m in load_shape(name).matrices})
+    ns_torch_by_shape, ns_hp_by_shape = {}, {}
+    for rows, cols in shapes:
+        mats = [torch.randn(rows, cols) for _ in range(4)]
+        t = _best(lambda: [_zeropower_via_newtonschulz(m, coefficients, NS_STEPS, 1e-7) for m in mats])
+        ns_torch_by_shape[f"{rows}x{cols}"] = 4 * ns_flops(rows, cols) / t
+        ns_hp_by_shape[f"{rows}x{cols}"] = _ns_hp_rate(rows, cols)
     src = torch.empty(16 << 20)
     dst = torch.empty_like(src)
     memcpy = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
@@ -365,7 +391,7 @@ def measure() -> Components:
     latency = res["small"]
     bw = (4 << 20) * 4 / max(res["big"] - latency, 1e-9)  # one rank's half crosses per all-gather
     return Components(gemm[torch.float32], gemm[torch.bfloat16], *achieved.values(), ns_torch, ns_hp, memcpy,
-                      latency, bw, op)
+                      latency, bw, op, ns_torch_by_shape, ns_hp_by_shape)
 
 
 # ----- report ----------------------------------------------------------------------------------
