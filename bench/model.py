@@ -314,7 +314,7 @@ def _gloo_rank(rank: int, world: int, port: int, out) -> None:
     res = {}
     for name, t in (("small", small), ("big", big)):
         outp = torch.empty_like(t)
-        res[name] = _best(lambda: dist.all_gather_into_tensor(outp, t.chunk(world)[rank].contiguous()), 5)
+        res[name] = _best(lambda o=outp, t=t: dist.all_gather_into_tensor(o, t.chunk(world)[rank].contiguous()), 5)
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
@@ -323,6 +323,7 @@ def _gloo_rank(rank: int, world: int, port: int, out) -> None:
 def _layer_rate(modules: str, dtype: torch.dtype) -> float:
     """Forward+backward FLOP/s of a one-layer qwen3-moe-bench at 4 x 512 tokens."""
     import transformers
+
     import hyperparallel as hp
     config = json.loads((Path(__file__).resolve().parents[1].parent / "shared" / "bench" /
                          "qwen3-moe-bench.config.json").read_text())
@@ -357,7 +358,7 @@ def measure() -> Components:
     gemm = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(2048, 512, dtype=dtype), torch.randn(512, 768, dtype=dtype)
-        gemm[dtype] = 2 * 2048 * 512 * 768 / _best(lambda: a @ b)
+        gemm[dtype] = 2 * 2048 * 512 * 768 / _best(lambda a=a, b=b: a @ b)
     achieved = {key: _layer_rate(*key) for key in (("hf", torch.float32), ("hp", torch.float32),
                                                     ("hf", torch.bfloat16), ("hp", torch.bfloat16))}
     from torch.optim._muon import _zeropower_via_newtonschulz
@@ -370,7 +371,7 @@ def measure() -> Components:
     ns_torch_by_shape, ns_hp_by_shape = {}, {}
     for rows, cols in shapes:
         mats = [torch.randn(rows, cols) for _ in range(4)]
-        t = _best(lambda: [_zeropower_via_newtonschulz(m, coefficients, NS_STEPS, 1e-7) for m in mats])
+        t = _best(lambda mats=mats: [_zeropower_via_newtonschulz(m, coefficients, NS_STEPS, 1e-7) for m in mats])
         ns_torch_by_shape[f"{rows}x{cols}"] = 4 * ns_flops(rows, cols) / t
         ns_hp_by_shape[f"{rows}x{cols}"] = _ns_hp_rate(rows, cols)
     src = torch.empty(16 << 20)

@@ -14,7 +14,7 @@ import hyperparallel as hp
 from hyperparallel.launch import run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import model  # noqa: E402
+import model
 
 # Small enough to run in a second; 6 experts do not divide over 4 ranks, so homes and splits both occur.
 TINY = model.Shape(layers=2, hidden=16, heads=2, kv_heads=1, head_dim=8, experts=6, topk=2, moe_inter=8,
@@ -88,7 +88,7 @@ def test_sanity():
     one = {s: model.predict(TINY, 64, 16, 1, s, COMP, ARGS) for s in ("gathered", "owner")}
     assert one["gathered"].step == one["owner"].step  # the two torch systems agree alone
     # hp's optimizer share shrinks with ranks; the gathered baseline's does not.
-    opt = lambda s, N: model.predict(TINY, 64, 16, N, s, COMP, ARGS).optimizer  # noqa: E731
+    opt = lambda s, N: model.predict(TINY, 64, 16, N, s, COMP, ARGS).optimizer
     assert opt("hp", 4) < opt("hp", 2)
     assert model.ns_per_rank(TINY, 4, "gathered")[1] == model.ns_per_rank(TINY, 2, "gathered")[1][:1] * 4
 
