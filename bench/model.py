@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from baseline_torch import owner_assignment
+
+from hyperparallel import _C
 
 CONFIGS = {"qwen3-moe-bench": 4 * 512, "qwen3-30b-a3b": 4 * 4096}
 SEQ = {"qwen3-moe-bench": 512, "qwen3-30b-a3b": 4096}
@@ -142,31 +145,13 @@ def ns_flops(rows: int, cols: int) -> float:
     return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
 
 
-def assign_owners(costs: list[int], homes: list[list[int]], ranks: int) -> list[int]:
-    """Mirror of csrc/optim/assignment.cpp (largest first, least-loaded rank, a home wins ties):
-    the owner of each item. The test checks it against hp's real plan."""
-    turn, seen = [], {}
-    for c, h in zip(costs, homes):
-        key = (c, h[0] if h else -1)
-        turn.append(seen.get(key, 0))
-        seen[key] = turn[-1] + 1
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], turn[i], i))
-    load, owner = [0] * ranks, [-1] * len(costs)
-    for i in order:
-        least = min(load)
-        chosen = min((g for g in homes[i] if 0 <= g < ranks and load[g] == least), default=load.index(least))
-        owner[i] = chosen
-        load[chosen] += costs[i]
-    return owner
-
-
 def ns_per_rank(shape: Shape, world: int, system: str,
                 cost: Callable[[int, int], float] = lambda r, c: ns_flops(r, c)) -> tuple[list[int], list[float]]:
-    """NS matrices of each rank per step, and their `cost` (default FLOPs). Gathered: every matrix on every rank. hp
-    (csrc/optim/muon.cpp): each matrix, in parameter order, balanced over the job, an expert
-    preferring the rank that holds its rows. Owner peer (baseline_torch.OwnerMuon): an expert stack
-    whose experts divide evenly stays on its holders, every other parameter goes whole to an LPT
-    owner."""
+    """NS matrices of each rank per step, and their `cost` (default FLOPs). Gathered: every matrix on
+    every rank. hp: each matrix, in parameter order, by hp.optim.Muon's own assignment (balanced
+    over the job, an expert preferring the rank that holds its rows). Owner peer
+    (baseline_torch.OwnerMuon): an expert stack whose experts divide evenly stays on its holders,
+    every other parameter goes whole to its own LPT owner (baseline_torch.owner_assignment)."""
     if system == "gathered" or world == 1:
         count = sum(m.count for m in shape.matrices)
         flops = sum(m.count * cost(m.rows, m.cols) for m in shape.matrices)
@@ -186,11 +171,10 @@ def ns_per_rank(shape: Shape, world: int, system: str,
     count, flops = [0] * world, [0.0] * world
     if system == "hp":
         costs = [r * c * min(r, c) for _, r, c, _ in items]
-        owner = assign_owners(costs, [[h] if h >= 0 else [] for *_, h in items], world)
+        owner = _C.assign_owners(costs, [[h] if h >= 0 else [] for *_, h in items], world)
     else:
         free = [i for i, it in enumerate(items) if it[3] < 0]
-        lpt = assign_owners([items[i][0] * items[i][1] * items[i][2] * min(items[i][1:3]) for i in free],
-                            [[] for _ in free], world)
+        lpt = owner_assignment([n * r * c * min(r, c) for n, r, c, _ in (items[i] for i in free)], world)
         owner = [it[3] for it in items]
         for i, o in zip(free, lpt):
             owner[i] = o

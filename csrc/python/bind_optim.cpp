@@ -1,6 +1,7 @@
 // Bindings of hp::optim. Bindings only: the logic lives in csrc/optim.
 #include <torch/extension.h>
 
+#include "hyperparallel/optim/assignment.h"
 #include "hyperparallel/optim/muon.h"
 #include "module.h"
 
@@ -17,6 +18,13 @@ void bind_optim(py::module_& m) {
            py::arg("a"), py::arg("b"), py::arg("c"), py::arg("steps"), py::arg("eps"));
   m.def("newton_schulz_", &optim::newton_schulz_, py::arg("batch"), py::arg("options"),
         py::call_guard<py::gil_scoped_release>());
+  // The owner of each item, as hp.optim.Muon's plan assigns matrices; for cost models (bench/model.py).
+  m.def(
+      "assign_owners",
+      [](const std::vector<int64_t>& costs, const std::vector<std::vector<int>>& homes, int ranks) {
+        return optim::assign_owners(costs, homes, ranks).owner;
+      },
+      py::arg("costs"), py::arg("homes"), py::arg("ranks"));
   m.def("optim_stats", [] {
     auto stats = optim::ns_stats();
     return py::dict(py::arg("ns_calls") = stats.calls, py::arg("ns_matrices") = stats.matrices,
