@@ -60,6 +60,7 @@ Muon::Muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout m
   allocate_slots();
   plan_pieces();
   plan_transfers();
+  count_peer_bytes();
 }
 
 void Muon::check_layout() {
@@ -209,8 +210,11 @@ void Muon::plan_pieces() {
     for (const Piece& piece : pieces_[i]) covered += piece.row_count * local.back();
     whole_[i] = covered == c10::multiply_integers(local);
   }
+}
+
+void Muon::count_peer_bytes() {
   // Rows that cross ranks in a step: those of this rank's matrices held by
-  // others, and this rank's rows of others' results.
+  // others, and this rank's rows of others' results (bf16: 2 bytes).
   for (const Matrix& matrix : matrices_) {
     const Pool& pool = pools_[matrix.pool];
     if (pool.shared && matrix.owner == rank_)
@@ -219,7 +223,8 @@ void Muon::plan_pieces() {
   for (const auto& pieces : pieces_)
     for (const Piece& piece : pieces) {
       const Matrix& matrix = matrices_[piece.matrix];
-      if (pools_[matrix.pool].shared && matrix.owner != rank_) peer_bytes_ += piece.row_count * pools_[matrix.pool].cols * 2;
+      const Pool& pool = pools_[matrix.pool];
+      if (pool.shared && matrix.owner != rank_) peer_bytes_ += piece.row_count * pool.cols * 2;
     }
 }
 

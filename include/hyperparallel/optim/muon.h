@@ -160,6 +160,7 @@ class Muon : public MuonPlan {
   void allocate_slots();
   void plan_pieces();
   void plan_transfers();
+  void count_peer_bytes();  // peer_bytes_, from the owners and pieces
   // Rows [begin, begin + count) of `matrix` that mesh shard `shard` holds (count 0: none).
   std::pair<int64_t, int64_t> shard_rows(const Matrix& matrix, int64_t shard) const;
   int64_t byte_offset(const Matrix& matrix, int64_t row) const;
