@@ -3,7 +3,7 @@
     python bench/model.py --save-components comp.json          # measure (about a minute), predict
     python bench/model.py --components comp.json --measured headline.jsonl
 
-From component costs measured on this machine (GEMM rate per dtype, Newton-Schulz rate,
+From component costs measured on this machine (GEMM rate per dtype, Newton-Schulz rate per matrix shape,
 memcpy bandwidth, Gloo latency and bandwidth with 2 real ranks, per-op overhead) it predicts the
 per-rank step time, its split and the per-rank work of hyperparallel, torch FSDP2 + gathered
 Muon and torch FSDP2 + owner Muon at N = 1..256 ranks, for qwen3-moe-bench (4 x 512 tokens per
@@ -35,7 +35,7 @@ from hyperparallel import _C
 CONFIGS = {"qwen3-moe-bench": 4 * 512, "qwen3-30b-a3b": 4 * 4096}
 SEQ = {"qwen3-moe-bench": 512, "qwen3-30b-a3b": 4096}
 WORLDS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-# headline.py's system names -> the model's; a third name the peer picks maps here.
+# headline.py's system names -> the model's.
 SYSTEMS = {"hyperparallel": "hp", "torch-fsdp2-muon": "gathered", "torch-fsdp2-owner-muon": "owner"}
 NS_STEPS = 5
 # Configs whose every Muon matrix shape gets its own measured NS rate (the ones run here).
