@@ -1,5 +1,5 @@
 // Helpers shared by the fused ops: argument checks, raw pointers into
-// contiguous tensors, ATen's BLAS on raw float buffers, op handles.
+// contiguous tensors, the matrix products, op handles.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,26 +29,21 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
               b_name, " is ", b.scalar_type(), "; cast them to one dtype");
 }
 
-// out = a b into a view of a larger tensor (a slice of rows or columns).
-inline void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
+// The fused ops' matrix products (matmul.cpp): float32 through gemm.h's
+// AVX-512 kernel where it runs (threads split the output), everything else
+// through ATen's mm/addmm.
+//
+// out (+)= a b, out a 2-D view (e.g. a slice of a larger tensor's rows or
+// columns); a and b any 2-D views of one dtype with out.
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate = false);
+// a b as a new contiguous tensor.
+at::Tensor product(const at::Tensor& a, const at::Tensor& b);
 
 // c (m x n, row stride ldc) = op(a) op(b), or += when accumulate; op(a) is
 // m x k (a stored k x m when trans_a), op(b) is k x n (b stored n x k when
-// trans_b). Float32 buffers; ATen's mm/addmm (MKL) do the work.
-inline at::Tensor float_matrix(const float* p, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
-}
-inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                 const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  const at::Tensor A = trans_a ? float_matrix(a, k, m, lda).t() : float_matrix(a, m, k, lda);
-  const at::Tensor B = trans_b ? float_matrix(b, n, k, ldb).t() : float_matrix(b, k, n, ldb);
-  at::Tensor C = float_matrix(c, m, n, ldc);
-  if (accumulate) {
-    C.addmm_(A, B);
-  } else {
-    at::mm_out(C, A, B);
-  }
-}
+// trans_b). Float32 buffers.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float* c, int64_t ldc, bool accumulate);
 
 // The dispatcher's handle of hyperparallel::<name>, so that autograd
 // functions call their forward and backward ops where torch.compile sees them.

@@ -23,6 +23,7 @@ namespace {
 
 using detail::elem;
 using detail::elem_mut;
+using detail::product;
 using detail::mm_into;
 
 // Rows per task for row-wise passes over `width` elements.
@@ -73,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_forward_cpu(const at::Tensor& input, cons
   at::parallel_for(0, T, row_grain(I), [&](int64_t begin, int64_t end) {
     k.swiglu_forward(x.scalar_type(), elem(gu, begin * 2 * I), elem_mut(a, begin * I), end - begin, I);
   });
-  return {at::mm(a, down.t()).view(mlp_out_shape(input, down)), gu};
+  return {product(a, down.t()).view(mlp_out_shape(input, down)), gu};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_cpu(
@@ -83,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_cpu(
   const at::Tensor dy = grad.reshape({-1, grad.size(-1)}).contiguous();
   const at::Tensor gu = gu_in.contiguous();
   const int64_t T = x.size(0), I = gate.size(0);
-  const at::Tensor da = at::mm(dy, down);
+  const at::Tensor da = product(dy, down);
   at::Tensor dgu = at::empty_like(gu), a = at::empty({T, I}, x.options());
   const auto& k = cpu::kernels();
   at::parallel_for(0, T, row_grain(I), [&](int64_t begin, int64_t end) {
@@ -91,9 +92,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_cpu(
                       elem_mut(dgu, begin * 2 * I), elem_mut(a, begin * I), nullptr, end - begin, I);
   });
   const at::Tensor dg = dgu.narrow(1, 0, I), du = dgu.narrow(1, I, I);
-  at::Tensor dx = at::mm(dg, gate);
-  dx.addmm_(du, up);
-  return {dx.view(input.sizes()), at::mm(dg.t(), x), at::mm(du.t(), x), at::mm(dy.t(), a)};
+  at::Tensor dx = product(dg, gate);
+  mm_into(dx, du, up, /*accumulate=*/true);
+  return {dx.view(input.sizes()), product(dg.t(), x), product(du.t(), x), product(dy.t(), a)};
 }
 
 std::tuple<at::Tensor, at::Tensor> mlp_forward_meta(const at::Tensor& input, const at::Tensor& gate,
@@ -161,7 +162,7 @@ using RouterOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 RouterOutputs router_cpu(const at::Tensor& input, const at::Tensor& weight, int64_t top_k, bool norm) {
   check_router(input, weight, top_k);
-  const at::Tensor logits = at::mm(input, weight.t());
+  const at::Tensor logits = product(input, weight.t());
   const int64_t T = logits.size(0), E = logits.size(1);
   at::Tensor scores = at::empty({T, top_k}, input.options());
   at::Tensor index = at::empty({T, top_k}, input.options().dtype(at::kLong));
@@ -188,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor> router_backward_cpu(const at::Tensor& grad_lo
                       gs.scalar_type(), elem(gs, begin * top_k), elem(gl, begin * E), end - begin, E, top_k, norm,
                       elem_mut(dlogits, begin * E));
   });
-  return {at::mm(dlogits, weight), at::mm(dlogits.t(), input)};
+  return {product(dlogits, weight), product(dlogits.t(), input)};
 }
 
 RouterOutputs router_meta(const at::Tensor& input, const at::Tensor& weight, int64_t top_k, bool norm) {

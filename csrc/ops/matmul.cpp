@@ -1,0 +1,105 @@
+// The fused ops' matrix products (common.h): gemm.h's float32 kernel where it
+// runs, ATen's mm/addmm otherwise.
+#include <ATen/Parallel.h>
+
+#include <optional>
+
+#include "common.h"
+#include "gemm.h"
+
+namespace hp::ops::detail {
+namespace {
+
+// Output columns or rows per thread come in multiples of this (the kernel's
+// tile width), and a thread gets at least kMinWork multiply-adds: below
+// that, waking threads costs more than it saves.
+constexpr int64_t kSplitAlign = 32;
+constexpr double kMinWork = 1 << 20;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// c (+)= op(a) op(b) with the kernel, c split into column (or row) slices
+// over torch's intra-op threads; one thread inside a parallel region (the
+// attention's heads are already spread over them).
+void run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+         int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const auto fit = static_cast<int64_t>(static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) /
+                                        kMinWork);
+  const int64_t tasks = std::clamp<int64_t>(fit, 1, threads);
+  if (tasks == 1) {
+    ops::gemm::sgemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+    return;
+  }
+  const bool by_columns = n >= m;
+  const int64_t extent = by_columns ? n : m;
+  const int64_t chunk = ceil_div(ceil_div(extent, tasks), kSplitAlign) * kSplitAlign;
+  at::parallel_for(0, ceil_div(extent, chunk), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t at = task * chunk, size = std::min(chunk, extent - at);
+      if (by_columns) {
+        ops::gemm::sgemm(trans_a, trans_b, m, size, k, a, lda, trans_b ? b + at * ldb : b + at, ldb, c + at, ldc,
+                    accumulate);
+      } else {
+        ops::gemm::sgemm(trans_a, trans_b, size, n, k, trans_a ? a + at : a + at * lda, lda, b, ldb, c + at * ldc, ldc,
+                    accumulate);
+      }
+    }
+  });
+}
+
+// How a 2-D view sits in memory for the kernel: row-major (trans = false,
+// rows ld apart) or column-major (trans = true, columns ld apart), without
+// overlapping itself; nothing when neither (a general strided view).
+struct Layout {
+  bool trans;
+  int64_t ld;
+};
+std::optional<Layout> layout(const at::Tensor& t) {
+  const int64_t rows = t.size(0), cols = t.size(1), s0 = t.stride(0), s1 = t.stride(1);
+  if ((s1 == 1 || cols == 1) && (rows == 1 || s0 >= cols)) return Layout{false, rows == 1 ? cols : s0};
+  if ((s0 == 1 || rows == 1) && (cols == 1 || s1 >= rows)) return Layout{true, cols == 1 ? rows : s1};
+  return std::nullopt;
+}
+
+inline at::Tensor float_matrix(const float* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
+}
+
+}  // namespace
+
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  const bool floats = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
+  const auto c = floats && ops::gemm::available() ? layout(out) : std::nullopt;
+  if (c && !c->trans) {
+    // Views the kernel cannot read (rare: the callers pass rows, columns
+    // and transposes of contiguous tensors) are copied first.
+    const at::Tensor a_in = layout(a) ? a : a.contiguous(), b_in = layout(b) ? b : b.contiguous();
+    const Layout la = *layout(a_in), lb = *layout(b_in);
+    run(la.trans, lb.trans, out.size(0), out.size(1), a.size(1), a_in.const_data_ptr<float>(), la.ld,
+        b_in.const_data_ptr<float>(), lb.ld, out.mutable_data_ptr<float>(), c->ld, accumulate);
+  } else if (accumulate) {
+    out.addmm_(a, b);
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
+at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  mm_into(out, a, b);
+  return out;
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  if (ops::gemm::available()) {
+    run(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+    return;
+  }
+  const at::Tensor A = trans_a ? float_matrix(a, k, m, lda).t() : float_matrix(a, m, k, lda);
+  const at::Tensor B = trans_b ? float_matrix(b, n, k, ldb).t() : float_matrix(b, k, n, ldb);
+  mm_into(float_matrix(c, m, n, ldc), A, B, accumulate);
+}
+
+}  // namespace hp::ops::detail
