@@ -1,12 +1,16 @@
 """Forward+backward time of each hp.nn fused module against the HF module it replaces.
 
-One thread, the qwen3-moe-bench shapes, batch 4 x seq 512, float32. HF and
+One thread, the qwen3-moe-bench shapes, batch 4 x seq 512, float32 (lm-head
+is the model's nn.Linear 512 -> 8192, fused: hp.nn.FusedLinear). HF and
 fused runs alternate so that machine noise hits both; the table shows the
 median of each and HF / fused. Times are this process's CPU time (one
 thread), which other processes on a shared machine do not inflate; --wall
 measures wall-clock time instead.
 
     .venv/bin/python bench/nn_modules.py [--repeats 5] [--dtype bfloat16]
+
+With HP_SIMD=avx2 the fused modules' float32 products run on ATen's mm (MKL)
+instead of hp's AVX-512 GEMM: the difference is what that kernel buys.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--modules", default="rmsnorm,attention,moe,moe-eager,model")
+    parser.add_argument("--modules", default="rmsnorm,attention,moe,moe-eager,lm-head,model")
     parser.add_argument("--wall", action="store_true", help="wall-clock instead of CPU time")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -67,6 +71,7 @@ def main() -> None:
         "attention": (lambda m: m.model.layers[0].self_attn, (x, rope, None), {}),
         "moe": (lambda m: m.model.layers[0].mlp, (x,), {}),
         "moe-eager": (lambda m: m.model.layers[0].mlp, (x,), {}),
+        "lm-head": (lambda m: m.lm_head, (x,), {}),
         "model": (lambda m: m, (), {"input_ids": ids, "labels": ids}),
     }
 
@@ -93,7 +98,8 @@ def main() -> None:
                 times[side].append(clock() - start)
         hf_ms, hp_ms = (1e3 * statistics.median(times[side]) for side in pair)
         target = TARGETS.get(name.split("-")[0])
-        print(f"{name:<11}{hf_ms:>10.1f}{hp_ms:>10.1f}{hf_ms / hp_ms:>7.2f}x{target:>7.1f}x")
+        shown = f"{target:>7.1f}x" if target else f"{'-':>8}"
+        print(f"{name:<11}{hf_ms:>10.1f}{hp_ms:>10.1f}{hf_ms / hp_ms:>7.2f}x{shown}")
 
 
 if __name__ == "__main__":

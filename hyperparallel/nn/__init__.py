@@ -1,6 +1,6 @@
 """Drop-in fused modules for HuggingFace Qwen3 and Qwen3-MoE.
 
-``patch(model)`` swaps a model's RMSNorms, attention, MLPs and MoE
+``patch(model)`` swaps a model's RMSNorms, attention, MLPs, linear layers and MoE
 router/experts for C++ kernels (torch custom ops ``torch.ops.hyperparallel.*``
 with C++ autograd) without changing its parameters or state_dict, and
 returns a ``PatchReport`` of what it swapped and what it left as HF's;

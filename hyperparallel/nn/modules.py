@@ -120,6 +120,28 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
     return False
 
 
+class FusedLinear(torch.nn.Linear):
+    """``nn.Linear`` on the fused modules' float32 GEMM (``hyperparallel::linear``).
+
+    torch's float32 matmul on the CPU is MKL's, which runs its AVX2 code on
+    CPUs it does not take for Intel's: half of an AMD Zen 5 core. The attention
+    projections and the LM head are a third of a Qwen3-MoE step's arithmetic,
+    so they run on the same AVX-512 kernel as the fused experts and attention.
+    Anything else (bfloat16, whose CPU matmul is already oneDNN's AVX-512 one;
+    a GPU) is ``nn.Linear``'s own forward.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        tensors = (input, self.weight) if self.bias is None else (input, self.weight, self.bias)
+        if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+            return _ops.linear(input, self.weight, self.bias)
+        return super().forward(input)
+
+    @staticmethod
+    def unsupported(module: torch.nn.Module) -> str | None:
+        return None
+
+
 class FusedRMSNorm:
     """HF RMSNorm as one pass forward and one backward (``hyperparallel::rms_norm``)."""
 
@@ -136,7 +158,8 @@ class FusedRMSNorm:
 class FusedAttention:
     """q/k-norm, RoPE and causal GQA attention in one op (``hyperparallel::attention``).
 
-    The projections stay HF's ``nn.Linear`` modules. A call takes HF's path
+    The projections stay ``nn.Linear`` modules (:class:`FusedLinear` once
+    patched). A call takes HF's path
     instead when the kernel cannot serve it: the attention weights are asked
     for (``output_attentions``, as a keyword or in the config), the KV cache
     holds earlier tokens or is a static cache (whose mask spans the whole
@@ -404,8 +427,10 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         return None
 
 
-# HF class -> the fused class that replaces it.
+# HF class -> the fused class that replaces it (exact types: a subclass of
+# nn.Linear, e.g. a LoRA layer, keeps its own forward).
 FUSED: dict[type, type] = {
+    torch.nn.Linear: FusedLinear,
     qwen3.Qwen3RMSNorm: FusedQwen3RMSNorm,
     qwen3.Qwen3Attention: FusedQwen3Attention,
     qwen3.Qwen3MLP: FusedQwen3MLP,

@@ -39,7 +39,7 @@ class PatchReport:
 
 
 def patch(model: nn.Module) -> PatchReport:
-    """Replace the RMSNorms, attention, MLPs and MoE router/experts of ``model`` with fused modules.
+    """Replace the RMSNorms, attention, MLPs, linear layers and MoE router/experts of ``model`` with fused modules.
 
     Works in place by changing each module's class to a subclass that
     overrides ``forward``; parameters (names, shapes, objects), state_dict

@@ -128,6 +128,63 @@ def test_attention_with_padding_mask_matches_hf(implementation):
     assert_close(outputs[1][valid], outputs[0][valid], **ATOL)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(9, 48), (2, 5, 48)])
+def test_linear_matches_nn_linear(shape, bias):
+    torch.manual_seed(6)
+    linear = randomize(torch.nn.Linear(48, 70, bias=bias), seed=7)
+    x = torch.randn(shape)
+    assert_parity(run(linear, [x]), run(fused_copy(linear), [x]), **ATOL)
+
+
+def test_linear_sums_as_accurately_as_torch():
+    """Over long sums (the weight gradient over 600 tokens, 300 inputs) float32 results differ
+    from torch's by more than 1e-5 where terms cancel; both must be as close to float64."""
+    torch.manual_seed(12)
+    linear = randomize(torch.nn.Linear(300, 70), seed=13, std=1.0)
+    x = torch.randn(2, 300, 300)
+    exact = run(copy.deepcopy(linear).double(), [x.double()])
+
+    def errors(result):
+        out, grads = result
+        return [(out.double() - exact[0]).abs().max()] + [
+            (grads[name].double() - exact[1][name]).abs().max() for name in exact[1]
+        ]
+
+    torch_errors, fused_errors = errors(run(linear, [x])), errors(run(fused_copy(linear), [x]))
+    for fused_error, torch_error in zip(fused_errors, torch_errors):
+        assert fused_error <= 2 * torch_error + 1e-6
+
+
+def test_linear_with_a_frozen_weight_computes_no_weight_gradient():
+    """A frozen base weight (LoRA's) gets no gradient; the input and the bias still do."""
+    linear = fused_copy(randomize(torch.nn.Linear(16, 24), seed=8))
+    linear.weight.requires_grad_(False)
+    x = torch.randn(4, 16, requires_grad=True)
+    linear(x).sum().backward()
+    assert linear.weight.grad is None
+    assert x.grad is not None and linear.bias.grad is not None
+
+
+def test_products_do_not_depend_on_the_thread_count():
+    """Threads split the float32 products' output, never their sums: one thread and two agree bit for bit."""
+    torch.manual_seed(9)
+    linear = fused_copy(randomize(torch.nn.Linear(256, 512), seed=10))
+    mlp = fused_copy(randomize(hf.Qwen3MoeMLP(config(hidden_size=256, intermediate_size=320)), seed=11))
+    x = torch.randn(300, 256)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append([run(linear, [x]), run(mlp, [x])])
+    finally:
+        torch.set_num_threads(threads)
+    for (out_1, grads_1), (out_2, grads_2) in zip(*results):
+        assert torch.equal(out_1, out_2)
+        assert all(torch.equal(grads_1[name], grads_2[name]) for name in grads_1)
+
+
 @pytest.mark.parametrize("shape", [(9, 48), (2, 5, 48)])
 def test_swiglu_mlp_matches_hf(shape):
     torch.manual_seed(2)
@@ -209,6 +266,7 @@ def _op_samples():
             1e-6,
             0.3,
         ),
+        "linear": (rand(2, 7, 12), rand(10, 12), rand(10)),
         "swiglu_mlp": (rand(7, 12), rand(10, 12), rand(10, 12), rand(12, 10)),
         "moe_router": (rand(10, 12), rand(4, 12), 2, True),
         "moe_experts": (
@@ -223,7 +281,7 @@ def _op_samples():
 
 
 @pytest.mark.parametrize(
-    "name", ["rms_norm", "attention", "swiglu_mlp", "moe_router", "moe_experts", "moe_aux_loss"]
+    "name", ["rms_norm", "attention", "linear", "swiglu_mlp", "moe_router", "moe_experts", "moe_aux_loss"]
 )
 def test_op_registration(name):
     """Schema, fake (meta) kernels and the autograd registration hold up as torch.compile needs them."""

@@ -28,6 +28,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const std::optional<at::Tensor>& mask, double q_eps, double k_eps,
                                              double scale);
 
+// nn.Linear: input weight^T + bias, input (..., in), weight (out, in). Float32
+// runs on the fused ops' AVX-512 GEMM (torch's float32 mm is MKL's, which
+// takes its AVX2 path on non-Intel CPUs); other dtypes on ATen's.
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
 // down(silu(input gate^T) * input up^T): HF's gated MLP.
 at::Tensor swiglu_mlp(const at::Tensor& input, const at::Tensor& gate_weight, const at::Tensor& up_weight,
                       const at::Tensor& down_weight);
