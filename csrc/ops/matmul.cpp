@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <optional>
+#include <utility>
 
 #include "common.h"
 #include "gemm.h"
@@ -39,10 +40,10 @@ void run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const floa
       const int64_t at = task * chunk, size = std::min(chunk, extent - at);
       if (by_columns) {
         ops::gemm::sgemm(trans_a, trans_b, m, size, k, a, lda, trans_b ? b + at * ldb : b + at, ldb, c + at, ldc,
-                    accumulate);
+                         accumulate);
       } else {
-        ops::gemm::sgemm(trans_a, trans_b, size, n, k, trans_a ? a + at : a + at * lda, lda, b, ldb, c + at * ldc, ldc,
-                    accumulate);
+        ops::gemm::sgemm(trans_a, trans_b, size, n, k, trans_a ? a + at : a + at * lda, lda, b, ldb, c + at * ldc,
+                         ldc, accumulate);
       }
     }
   });
@@ -62,6 +63,15 @@ std::optional<Layout> layout(const at::Tensor& t) {
   return std::nullopt;
 }
 
+// t as the kernel reads it, with its layout: t itself, or a contiguous copy
+// of a view it cannot read (rare: the callers pass rows, columns and
+// transposes of contiguous tensors).
+std::pair<at::Tensor, Layout> readable(const at::Tensor& t) {
+  if (const auto l = layout(t)) return {t, *l};
+  at::Tensor copy = t.contiguous();
+  return {copy, *layout(copy)};
+}
+
 inline at::Tensor float_matrix(const float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
@@ -72,10 +82,8 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accu
   const bool floats = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
   const auto c = floats && ops::gemm::available() ? layout(out) : std::nullopt;
   if (c && !c->trans) {
-    // Views the kernel cannot read (rare: the callers pass rows, columns
-    // and transposes of contiguous tensors) are copied first.
-    const at::Tensor a_in = layout(a) ? a : a.contiguous(), b_in = layout(b) ? b : b.contiguous();
-    const Layout la = *layout(a_in), lb = *layout(b_in);
+    const auto [a_in, la] = readable(a);
+    const auto [b_in, lb] = readable(b);
     run(la.trans, lb.trans, out.size(0), out.size(1), a.size(1), a_in.const_data_ptr<float>(), la.ld,
         b_in.const_data_ptr<float>(), lb.ld, out.mutable_data_ptr<float>(), c->ld, accumulate);
   } else if (accumulate) {

@@ -125,8 +125,8 @@ class FusedLinear(torch.nn.Linear):
 
     torch's float32 matmul on the CPU is MKL's, which runs its AVX2 code on
     CPUs it does not take for Intel's: half of an AMD Zen 5 core. The attention
-    projections and the LM head are a third of a Qwen3-MoE step's arithmetic,
-    so they run on the same AVX-512 kernel as the fused experts and attention.
+    projections and the LM head are almost half of qwen3-moe-bench's forward
+    arithmetic, so they run on the same AVX-512 kernel as the fused experts and attention.
     Anything else (bfloat16, whose CPU matmul is already oneDNN's AVX-512 one;
     a GPU) is ``nn.Linear``'s own forward.
     """
