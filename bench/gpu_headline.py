@@ -13,8 +13,10 @@ precision on both sides where a model runs.
   torch.optim.Muon (one matrix at a time) and against a batched torch reference (the same
   rounds with torch.bmm, in Python). Targets: >= 10x and >= 1.2x; hp's device Newton-Schulz
   is itself those batched rounds, so against the reference only the rest of the step differs.
-- modules: each fused module's forward + backward against HF's at seq 4096 (bf16). A module
-  without a CUDA kernel yet takes HF's path, so its ratio is about 1: printed as such.
+- modules: each fused module's forward + backward against HF's at seq 4096 (bf16): RMSNorm (one
+  kernel each way), attention (norm + RoPE kernels around the same SDPA), the MoE block (router,
+  then the experts on torch._grouped_mm with SwiGLU and the weighted gather as kernels) against
+  HF's with its default experts implementation.
 - step: a whole training step of bench/configs/qwen3-moe-1b (1.3 B parameters) on one GPU:
   hp (hp.nn.patch + hp.fully_shard + hp.optim.Muon and AdamW) against torch (FSDP2 + HF
   modules + torch.optim.Muon and AdamW): tokens/s, peak device memory, per-step losses.

@@ -2,23 +2,18 @@
 // (the autograd function and the schema are rms_norm.cpp's). Reaches CUDA
 // only through c10's device interfaces; linked where torch has CUDA.
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
 #include "common.h"
-#include "rms_norm_cuda.h"
+#include "cuda_glue.h"
 
 namespace hp::ops {
 namespace {
 
-cuda::DType dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? cuda::DType::F32 : cuda::DType::BF16; }
-
-void* stream_of(const at::Tensor& t) {
-  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-  return impl.getStream(t.device()).native_handle();
-}
+using detail::cuda_dtype;
+using detail::cuda_stream;
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& input, const at::Tensor& weight, double eps) {
   detail::check_float_or_bf16(input, "rms_norm", "input");
@@ -33,8 +28,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& input, const a
   const int64_t n = w.size(0), rows = x.numel() / n;
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::promote_types(x.scalar_type(), w.scalar_type())));
   at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  cuda::rms_norm_forward(dtype(x), x.const_data_ptr(), dtype(w), w.const_data_ptr(), dtype(y), y.mutable_data_ptr(),
-                         rstd.mutable_data_ptr<float>(), rows, n, float(eps), stream_of(x));
+  cuda::rms_norm_forward(cuda_dtype(x), x.const_data_ptr(), cuda_dtype(w), w.const_data_ptr(), cuda_dtype(y), y.mutable_data_ptr(),
+                         rstd.mutable_data_ptr<float>(), rows, n, float(eps), cuda_stream(x));
   return {y, rstd};
 }
 
@@ -50,9 +45,9 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(const at::Tensor& grad, const a
   // its rows once; the partial sums are added here.
   const int64_t partials = std::clamp<int64_t>(rows / 64, 1, 64);
   at::Tensor partial = at::empty({partials, n}, x.options().dtype(at::kFloat));
-  cuda::rms_norm_backward(dtype(dy), dy.const_data_ptr(), dtype(x), x.const_data_ptr(), dtype(w), w.const_data_ptr(),
+  cuda::rms_norm_backward(cuda_dtype(dy), dy.const_data_ptr(), cuda_dtype(x), x.const_data_ptr(), cuda_dtype(w), w.const_data_ptr(),
                           rs.const_data_ptr<float>(), dx.mutable_data_ptr(), partial.mutable_data_ptr<float>(),
-                          partials, rows, n, stream_of(x));
+                          partials, rows, n, cuda_stream(x));
   return {dx, rows == 0 ? at::zeros_like(w) : partial.sum(0).to(w.scalar_type())};
 }
 
