@@ -127,12 +127,26 @@ class CudaCollectives : public DeviceCollectives {
     auto window = std::make_shared<DeviceWindow>(node_->window(bytes));
     const void* base = window->memory->local();
     (*windows_)[base] = window;
-    // The tensor keeps the window alive; when it goes, so does the registry entry.
+    // The tensor keeps the window alive; when it goes, so does the registry
+    // entry, and the memory once the peers have finished reading it (each
+    // rank drops its tensor when it likes; a peer's reduce may still be
+    // queued on its GPU). Without the communicator there is no peer left to
+    // wait for.
     std::weak_ptr<std::map<const void*, std::shared_ptr<DeviceWindow>>> registry = windows_;
+    const c10::Device device = device_;
     return at::from_blob(
         window->memory->local(), sizes,
-        [registry, window, base](void*) {
-          if (auto windows = registry.lock()) windows->erase(base);
+        [registry, window, base, device](void*) {
+          auto windows = registry.lock();
+          if (!windows) return;
+          windows->erase(base);
+          try {
+            c10::DeviceGuard guard(device);
+            c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+            DeviceNodeComm::drain(*window, impl.getStream(device).native_handle());
+          } catch (const std::exception& error) {
+            TORCH_WARN("hyperparallel: freeing a symmetric tensor without its peers' last reads: ", error.what());
+          }
         },
         at::TensorOptions().dtype(dtype).device(device_));
   }

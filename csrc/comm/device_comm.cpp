@@ -37,6 +37,13 @@ void DeviceNodeComm::acquire(DeviceWindow& window, fabric::StreamHandle stream) 
   if (last > 0) window.done->wait_all(last, stream, "acquire (peers finishing reading the last round)");
 }
 
+void DeviceNodeComm::drain(DeviceWindow& window, fabric::StreamHandle stream) {
+  const uint64_t last = window.done->posted();
+  if (last == 0) return;
+  window.done->wait_all(last, stream, "freeing a symmetric tensor (peers finishing reading it)");
+  fabric::device::synchronize(stream);
+}
+
 void DeviceNodeComm::reduce_window(DeviceWindow& window, DType dtype, const std::vector<ReduceSegment>& segments,
                                    float scale, void* out, DType out_dtype, fabric::StreamHandle stream) {
   // A caller that skipped acquire() raced its own writes, but must not stall

@@ -80,6 +80,11 @@ class DeviceNodeComm {
   // Makes `stream` wait until every peer has finished reading the window's
   // last round; then this rank may write its slot.
   void acquire(DeviceWindow& window, fabric::StreamHandle stream);
+  // Blocks until every peer has finished reading the window's last round on
+  // its GPU, so that this rank's slot may be freed: the ranks drop a
+  // window's memory independently (a tensor's deleter), and a peer's stream
+  // may still be reducing from it. Throws FabricError where a peer died.
+  static void drain(DeviceWindow& window, fabric::StreamHandle stream);
   // Every rank wrote its slot: sums along `segments` over every slot into
   // `out` (one kernel), then marks this rank done reading.
   void reduce_window(DeviceWindow& window, DType dtype, const std::vector<ReduceSegment>& segments, float scale,
