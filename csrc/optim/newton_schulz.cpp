@@ -17,14 +17,6 @@ namespace {
 
 std::atomic<uint64_t> ns_calls{0}, ns_matrices{0};
 
-// Without the gram kernels (no AVX-512 bfloat16 dot products, or an odd
-// inner size), the symmetric products go by row panels of torch's GEMM, each
-// at least this tall. Thinner panels skip more of the lower triangle, but the
-// GEMM kernel runs less efficiently on thinner operands; on AVX-512 cores
-// with bfloat16 dot products (one thread, best of 3), three panels for 384
-// rows and four for 512 were the fastest, and one for 192.
-constexpr int64_t kPanelRows = 128;
-
 // Matrices go through all the steps a group at a time, the group's operands
 // about this size: several small matrices share each GEMM call, while large
 // ones go one by one so that the operands stay in cache between the GEMMs.
@@ -88,60 +80,51 @@ void mirror_upper(at::Tensor& a) {
 }
 
 // out = beta * c + alpha * a aᵀ for a batch, where out (and c, if defined) is
-// symmetric. Only the upper triangle is computed, by the gram kernels'
-// column blocks or else one GEMM per row panel, written in place, and then
-// mirrored. Element (i, j) is the same dot product, over the same k in the
-// same order, as in torch's full GEMM, so the result is bit for bit its.
-// `scratch` holds the gram kernels' packed operand (grown as needed).
+// symmetric: only the upper triangle's column blocks are computed, by the
+// gram kernels, and then mirrored. Element (i, j) is the same dot product,
+// over the same k in the same order, as in oneDNN's AVX-512 bfloat16 GEMM
+// (see gram.h), so the result is bit for bit torch's. `scratch` holds the
+// kernels' packed operand (grown as needed).
 void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha,
                        at::Tensor& scratch) {
   const int64_t count = a.size(0), m = a.size(1), k = a.size(2);
-  if (gram::available() && gram::fits(k)) {
-    // The upper triangle's column blocks, block p paired with block
-    // blocks - 1 - p so that each task has the same work.
-    const int64_t blocks = (m + gram::kBlock - 1) / gram::kBlock;
-    if (scratch.numel() < gram::packed_words(m, k)) scratch = at::empty({gram::packed_words(m, k)}, at::kInt);
-    auto* packed = reinterpret_cast<uint32_t*>(scratch.mutable_data_ptr());
-    for (int64_t i = 0; i < count; ++i) {
-      const auto* y = reinterpret_cast<const uint16_t*>(a[i].const_data_ptr());
-      const auto* addend = c.defined() ? reinterpret_cast<const uint16_t*>(c[i].const_data_ptr()) : nullptr;
-      auto* result = reinterpret_cast<uint16_t*>(out[i].mutable_data_ptr());
-      gram::pack(y, m, k, packed);
-      at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; ++p) {
-          gram::upper_block(y, packed, m, k, p, addend, float(beta), float(alpha), result);
-          if (blocks - 1 - p != p)
-            gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
-        }
-      });
-      at::Tensor matrix = out[i];
-      mirror_upper(matrix);
-    }
-    return;
-  }
-  const int64_t panels = std::max<int64_t>(1, m / kPanelRows);
-  if (panels == 1) {
-    if (c.defined())
-      at::baddbmm_out(out, c, a, a.transpose(1, 2), beta, alpha);
-    else
-      at::bmm_out(out, a, a.transpose(1, 2));
-    return;
-  }
-  // Per matrix: a panel of a strided batch would be copied to a contiguous
-  // one before the batched GEMM.
+  // The upper triangle's column blocks, block p paired with block
+  // blocks - 1 - p so that each task has the same work.
+  const int64_t blocks = (m + gram::kBlock - 1) / gram::kBlock;
+  if (scratch.numel() < gram::packed_words(m, k)) scratch = at::empty({gram::packed_words(m, k)}, at::kInt);
+  auto* packed = reinterpret_cast<uint32_t*>(scratch.mutable_data_ptr());
   for (int64_t i = 0; i < count; ++i) {
-    at::Tensor result = out[i], factor = a[i];
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t begin = m * p / panels, rows = m * (p + 1) / panels - begin;
-      at::Tensor panel = result.narrow(0, begin, rows).narrow(1, begin, m - begin);
-      at::Tensor left = factor.narrow(0, begin, rows), right = factor.narrow(0, begin, m - begin).t();
-      if (c.defined())
-        at::addmm_out(panel, c[i].narrow(0, begin, rows).narrow(1, begin, m - begin), left, right, beta, alpha);
-      else
-        at::mm_out(panel, left, right);
-    }
-    mirror_upper(result);
+    const auto* y = reinterpret_cast<const uint16_t*>(a[i].const_data_ptr());
+    const auto* addend = c.defined() ? reinterpret_cast<const uint16_t*>(c[i].const_data_ptr()) : nullptr;
+    auto* result = reinterpret_cast<uint16_t*>(out[i].mutable_data_ptr());
+    gram::pack(y, m, k, packed);
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        gram::upper_block(y, packed, m, k, p, addend, float(beta), float(alpha), result);
+        if (blocks - 1 - p != p) gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
+      }
+    });
+    at::Tensor matrix = out[i];
+    mirror_upper(matrix);
   }
+}
+
+// Without the gram kernels (no AVX-512 bfloat16 dot products, or an odd inner
+// size): torch.optim.Muon's own calls on one matrix, the same operands in the
+// same layouts (a tall matrix's transposed view in the first round included).
+// Elsewhere oneDNN's sums depend on the operands' shapes and layouts (on AVX2
+// cores a row panel, GᵀG for GG or a transposed copy each move some elements
+// by a bfloat16 ulp), so only the very same calls give torch's bits.
+void torch_rounds_(const at::Tensor& matrix, const NsOptions& options) {
+  const bool tall = matrix.size(0) > matrix.size(1);
+  at::Tensor x = tall ? matrix.t() : matrix;
+  x = x.div(x.norm().clamp_min(options.eps));
+  for (int64_t step = 0; step < options.steps; ++step) {
+    const at::Tensor gram = at::mm(x, x.t());
+    const at::Tensor update = at::addmm(gram, gram, gram, options.b, options.c);
+    x = at::addmm(x, update, x, options.a, 1.0);
+  }
+  matrix.copy_(tall ? x.t() : x);
 }
 
 // On a GPU: torch's rounds for the whole batch at once, each product one
@@ -180,6 +163,14 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
   // matrix is the smaller one.
   const bool tall = batch.size(1) > batch.size(2);
   const int64_t m = std::min(batch.size(1), batch.size(2)), n = std::max(batch.size(1), batch.size(2));
+  if (!gram::available() || !gram::fits(n)) {
+    // One matrix after another, each GEMM on every thread, as torch runs them
+    // (a GEMM's sums may depend on how its threads split the work).
+    for (int64_t i = 0; i < count; ++i) torch_rounds_(batch[i], options);
+    ns_calls.fetch_add(1, std::memory_order_relaxed);
+    ns_matrices.fetch_add(count, std::memory_order_relaxed);
+    return;
+  }
   const int64_t matrix_bytes = 2 * (2 * m * n + 2 * m * m);  // bfloat16 x, next, gram, update
   const int64_t group = std::clamp<int64_t>(kGroupBytes / matrix_bytes, 1, count);
   auto options_bf16 = batch.options();

@@ -196,7 +196,10 @@ def test_frozen_tied_unused_parameters_and_gradient_accumulation(accumulate):
     for losses, params, tied, unused_has_no_grad in results.values():
         assert tied and unused_has_no_grad
         assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5
-        assert_params_close(params, full_params(reference), 1e-5)
+        # Two ranks sum the micro-batches' gradients in another order than one process does;
+        # AdamW's normalised steps (lr 1e-2) carry that float32 noise into the parameters
+        # (1.2e-5 after 6 steps on an AVX2 Zen 3, whose MKL GEMMs sum differently).
+        assert_params_close(params, full_params(reference), 3e-5)
         assert torch.equal(params["lm.model.norm.weight"], frozen_before)
         assert torch.equal(params["unused.weight"], unused_before)
 

@@ -158,11 +158,11 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
 
 # Each symmetric product's inner size k in every one of oneDNN's summation
 # regimes (k <= 512: one block; 512 < k <= 1024: blocks of 512; more: 1024),
-# partial column blocks and row tiles, and odd k (the row-panel fallback).
+# partial column blocks and row tiles, and odd k (torch's own calls).
 @pytest.mark.parametrize(
     "shape",
     [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301), (1, 400, 520),
-     (1, 530, 520), (1, 100, 1100)],
+     (1, 530, 520), (1, 100, 1100), (1, 1100, 100)],
 )
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     generator = torch.Generator().manual_seed(4)
@@ -174,7 +174,7 @@ def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
 
 
 def test_newton_schulz_without_bfloat16_dot_products_is_torch_bit_for_bit():
-    """HP_SIMD=avx2 (as on a CPU without AVX-512 bfloat16): the symmetric products go by row panels of torch's GEMM."""
+    """HP_SIMD=avx2 (as on a CPU without AVX-512 bfloat16): each matrix goes through torch's own GEMM calls."""
     script = """
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
