@@ -114,12 +114,14 @@ def modules_part(repeats: int) -> list[str]:
     cos_sin = hf.model.rotary_emb(x, position_ids)
     lines = []
 
+    grad = torch.randn_like(x)  # every module here returns (1, seq, hidden)
+
     def fwd_bwd(fn):
         def call():
             inp = x.detach().requires_grad_(True)
             out = fn(inp)
             out = out[0] if isinstance(out, tuple) else out
-            out.float().sum().backward()
+            out.backward(grad)
         return call
 
     cases = {
@@ -275,17 +277,25 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     args = parser.parse_args()
-    lines = [f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"]
-    if "muon" in args.parts:
-        lines += muon_part(args.muon_layers, args.repeats)
-    if "modules" in args.parts:
-        lines += modules_part(args.repeats)
-    if "step" in args.parts:
-        lines += step_part(args.steps, args.micro, args.seq)
-    if "ranks2" in args.parts:
-        lines += ranks2_part(4, 1, 512)
-    print("\n".join(lines))
-
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    parts = {
+        "muon": lambda: muon_part(args.muon_layers, args.repeats),
+        "modules": lambda: modules_part(args.repeats),
+        "step": lambda: step_part(args.steps, args.micro, args.seq),
+        "ranks2": lambda: ranks2_part(4, 1, 512),
+    }
+    failed = []
+    for name in args.parts:
+        # Each part's lines as soon as it ends, and a failed part does not cost the others':
+        # device time is short.
+        torch.cuda.empty_cache()  # the step parts' memory figures count the whole device
+        try:
+            print("\n".join(parts[name]()), flush=True)
+        except Exception as error:  # noqa: BLE001 - reported, then the next part runs
+            failed.append(name)
+            print(f"{name}: FAILED: {type(error).__name__}: {error}", flush=True)
+    if failed:
+        raise SystemExit(f"gpu_headline: failed parts: {' '.join(failed)}")
 
 if __name__ == "__main__":
     main()

@@ -241,8 +241,11 @@ void CopyBatch::run(StreamHandle stream) const {
   if (dst_.empty()) return;
   // Where the driver refuses batches (older than CUDA 12.8's), copy one by
   // one: the same copies, more launches.
+  // The legacy default stream (torch's default, a null handle) is one the
+  // batch API refuses outright: copy one by one there, and keep batching
+  // for the other streams.
   static std::atomic<bool> batches_work{true};
-  if (batches_work.load(std::memory_order_relaxed)) {
+  if (stream != nullptr && batches_work.load(std::memory_order_relaxed)) {
     // Sources are read in stream order (they were written earlier on this or
     // a waited-for stream); the hint asks for the copy engines, leaving the
     // SMs to compute.

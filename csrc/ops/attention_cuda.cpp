@@ -149,6 +149,12 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   // The op's mask applies on top of causality; SDPA takes one or the other.
   std::optional<at::Tensor> attn_mask;
   if (mask) {
+    TORCH_CHECK((mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type())) && mask->dim() == 4 &&
+                    (mask->size(0) == 1 || mask->size(0) == q.size(0)) && mask->size(1) == 1 &&
+                    mask->size(2) == seq && mask->size(3) == seq,
+                "hyperparallel::attention: the mask must be bool (true = attend) or additive floating point, shaped "
+                "(1 or batch, 1, seq, seq); got ",
+                mask->scalar_type(), " ", mask->sizes());
     const at::Tensor causal = at::ones({seq, seq}, mask->options().dtype(at::kBool)).tril();
     attn_mask = mask->scalar_type() == at::kBool
                     ? mask->logical_and(causal)

@@ -21,7 +21,9 @@ namespace {
 using detail::cuda_dtype;
 using detail::cuda_stream;
 
-at::Tensor swiglu(const at::Tensor& gu) {
+at::Tensor swiglu(const at::Tensor& gu_in) {
+  // torch._grouped_mm may pad its output's rows; the kernel reads dense ones.
+  const at::Tensor gu = gu_in.contiguous();
   const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
   at::Tensor a = at::empty({rows, inter}, gu.options());
   cuda::swiglu_forward(cuda_dtype(gu), gu.const_data_ptr(), a.mutable_data_ptr(), rows, inter, cuda_stream(gu));
@@ -184,6 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_forward_cuda(
   detail::check_float_or_bf16(input, "moe_experts", "input");
   detail::check_same_dtype(input, gate_up, "moe_experts", "input", "experts.gate_up_proj");
   detail::check_same_dtype(input, down, "moe_experts", "input", "experts.down_proj");
+  detail::check_float_or_bf16(weights, "moe_experts", "top_k_weights");
   check_same_device({&input, &gate_up, &down, &index, &weights}, "moe_experts");
   TORCH_CHECK(input.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(2) == input.size(1) &&
                   down.size(1) == input.size(1) && down.size(2) * 2 == gate_up.size(1) &&
@@ -197,9 +200,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_forward_cuda(
   const at::Tensor flat = index.reshape(-1);
   auto [sorted, order] = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   at::Tensor positions = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-  // Expert boundaries without a host sync: the first sorted row of each expert.
-  // An index outside [0, E) lands outside every group and its rows are never
-  // computed (HF's expert-parallel sentinels); the CPU kernel refuses them.
+  // Expert boundaries without a host sync: the first sorted row of each
+  // expert. Indices must lie in [0, E) (checking would cost a sync; the CPU
+  // kernel refuses others, and patch() leaves expert-parallel experts, whose
+  // sentinels lie outside, to HF).
   const at::Tensor offsets = at::searchsorted(sorted, at::arange(E + 1, sorted.options()));
   const at::Tensor ends = group_ends(offsets);
   const at::Tensor rows = input.index_select(0, at::floor_divide(order, K));
@@ -210,8 +214,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_forward_cuda(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_backward_cuda(
     const at::Tensor& grad, const at::Tensor& input, const at::Tensor& gate_up, const at::Tensor& down,
-    const at::Tensor& weights, const at::Tensor& gu, const at::Tensor& positions, const at::Tensor& offsets) {
+    const at::Tensor& weights, const at::Tensor& gu_in, const at::Tensor& positions, const at::Tensor& offsets) {
   c10::DeviceGuard guard(input.device());
+  const at::Tensor gu = gu_in.contiguous();
   const int64_t T = input.size(0), N = positions.numel(), K = N / std::max<int64_t>(T, 1), I = down.size(2);
   const at::Tensor ends = group_ends(offsets);
   // order[row] = the pair in sorted row `row`: positions inverted.

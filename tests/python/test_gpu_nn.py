@@ -15,7 +15,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 import hyperparallel.nn as hpnn
-from hyperparallel.nn.modules import FUSED, experts_forward
+from hyperparallel.nn.modules import _DEVICE_KERNELS, FUSED, experts_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -75,6 +75,44 @@ def test_patched_moe_model_on_cuda_equals_hf():
     assert abs(loss.item() - hf_loss.item()) <= 1e-5
     for name, grad in hf_grads.items():
         assert _rel(grads[name], grad) <= 1e-4, name
+
+
+def test_every_fused_op_has_its_cuda_kernel():
+    """A warning per op and process is easy to miss: the build itself must have them all."""
+    assert all("cuda" in devices for devices in _DEVICE_KERNELS.values()), _DEVICE_KERNELS
+
+
+def _norm_rope64(x, weight, cos, sin, eps):
+    """HF's q/k RMSNorm then rotate-half RoPE in float64 (differentiable), to (b, h, s, d)."""
+    y = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-y[..., half:], y[..., :half]], -1)
+    return (y * cos[:, :, None, :] + rotated * sin[:, :, None, :]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("cos_batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_against_float64(dtype, cos_batch):
+    """Enough rows (2 x 700 x 8) that the weight's gradient is summed by several uneven blocks,
+    and cos/sin per batch as well as shared; forward and both gradients against float64 autograd
+    on the same (dtype-rounded) inputs."""
+    generator = torch.Generator().manual_seed(9)
+    b, s, h, d = 2, 700, 8, 128
+    x = torch.randn(b, s, h, d, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=generator)).to(dtype)
+    angles = torch.rand(cos_batch, s, d // 2, generator=generator) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    grad = torch.randn(b, h, s, d, generator=generator).to(dtype)
+    xd, wd = x.to(DEVICE).requires_grad_(True), weight.to(DEVICE).requires_grad_(True)
+    out = torch.ops.hyperparallel.norm_rope(xd, wd, cos.to(DEVICE), sin.to(DEVICE), 1e-6)
+    out.backward(grad.to(DEVICE))
+    x64, w64 = x.double().requires_grad_(True), weight.double().requires_grad_(True)
+    ref = _norm_rope64(x64, w64, cos.double(), sin.double(), 1e-6)
+    ref.backward(grad.double())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(out.detach().cpu(), ref.detach()) <= tolerance
+    assert _rel(xd.grad.cpu(), x64.grad) <= tolerance
+    assert _rel(wd.grad.cpu(), w64.grad) <= tolerance
 
 
 def _forward_backward(model, ids, aux):
@@ -143,19 +181,21 @@ def test_attention_with_a_padding_mask_matches_hf():
     assert _rel(logits[1][keep], logits[0][keep]) <= 1e-5
 
 
-def test_experts_kernel_matches_hf_grouped_mm_with_idle_experts():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_kernel_matches_hf_grouped_mm_with_idle_experts(dtype):
     """The experts op alone against HF's grouped_mm experts, with experts no token chose (their
-    weight gradients must be zeros) and a token count that is not a multiple of anything."""
+    weight gradients must be zeros: bfloat16 runs torch's CUTLASS grouped GEMM, float32 its
+    per-group fallback) and a token count that is not a multiple of anything."""
     config = make_config("moe", num_experts=16, num_experts_per_tok=2, moe_intermediate_size=48)
-    experts = Qwen3MoeForCausalLM(config).model.layers[0].mlp.experts.to(DEVICE)
+    experts = Qwen3MoeForCausalLM(config).model.layers[0].mlp.experts.to(DEVICE, dtype)
     fused = copy.deepcopy(experts)
     fused.__class__ = FUSED[type(experts)]
     tokens = 37
     generator = torch.Generator().manual_seed(4)
-    x = torch.randn(tokens, config.hidden_size, generator=generator).to(DEVICE)
+    x = torch.randn(tokens, config.hidden_size, generator=generator).to(DEVICE, dtype)
     index = torch.randint(0, 6, (tokens, 2), generator=generator).to(DEVICE)  # experts 6.. idle
     index[:, 1] = (index[:, 0] + 1) % 6
-    weights = torch.rand(tokens, 2, generator=generator).to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=generator).to(DEVICE, dtype)
 
     results = []
     for module, forward in ((experts, ALL_EXPERTS_FUNCTIONS["grouped_mm"]), (fused, experts_forward)):
@@ -164,5 +204,5 @@ def test_experts_kernel_matches_hf_grouped_mm_with_idle_experts():
         out.backward(torch.ones_like(out))
         results.append([out, xi.grad, wi.grad, module.gate_up_proj.grad, module.down_proj.grad])
     for got, expected in zip(results[1], results[0]):
-        assert _rel(got, expected) <= 1e-5
+        assert _rel(got, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
     assert results[1][3][6:].abs().max() == 0 and results[1][4][6:].abs().max() == 0
