@@ -150,6 +150,11 @@ __device__ RowAt row_at(const NormRope& s, int64_t r) {
   return {r * s.d, ((b * s.heads + head) * s.seq + pos) * s.d, ((s.cos_batch == 1 ? 0 : b) * s.seq + pos) * s.d};
 }
 
+// Kernels that give a warp each row walk the rows by these: this warp's
+// index in the grid, and the grid's number of warps.
+__device__ int64_t grid_warp() { return (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; }
+__device__ int64_t grid_warps() { return int64_t(gridDim.x) * kWarps; }
+
 __device__ float warp_sum(float value) {
   for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
   return value;
@@ -162,8 +167,7 @@ __global__ void __launch_bounds__(kThreads)
                              float* __restrict__ rstd, int64_t rows) {
   const int lane = threadIdx.x % 32;
   const int64_t h = s.d / 2;
-  for (int64_t r = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; r < rows;
-       r += int64_t(gridDim.x) * kWarps) {
+  for (int64_t r = grid_warp(); r < rows; r += grid_warps()) {
     const RowAt at = row_at(s, r);
     const T* xr = x + at.x;
     float acc = 0.f;
@@ -191,8 +195,7 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ rstd, T* __restrict__ dx, int64_t rows) {
   const int lane = threadIdx.x % 32;
   const int64_t h = s.d / 2;
-  for (int64_t r = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; r < rows;
-       r += int64_t(gridDim.x) * kWarps) {
+  for (int64_t r = grid_warp(); r < rows; r += grid_warps()) {
     const RowAt at = row_at(s, r);
     const T* xr = x + at.x;
     const float rs = rstd[r];
@@ -258,8 +261,7 @@ __global__ void __launch_bounds__(kThreads)
                            T* __restrict__ dgu, T* __restrict__ a_w, float* __restrict__ row_dot, int64_t rows,
                            int64_t inter) {
   const int lane = threadIdx.x % 32;
-  for (int64_t r = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; r < rows;
-       r += int64_t(gridDim.x) * kWarps) {
+  for (int64_t r = grid_warp(); r < rows; r += grid_warps()) {
     const T* gr = gu + r * 2 * inter;
     const T* dar = da + r * inter;
     T* dgr = dgu + r * 2 * inter;
