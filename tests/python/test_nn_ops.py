@@ -20,6 +20,10 @@ import hyperparallel.nn as hpnn
 # float32 with sums in another order: torch's own float32 tolerance (the
 # weights below make gradients O(10), where 1e-5 alone is below one ulp).
 ATOL = {"atol": 1e-5, "rtol": 1.3e-6}
+# A gradient entry is a sum of ~100 products of the tensor's scale; where they
+# cancel, float32's error follows the scale, not the entry. HF's own attention
+# gradients are 1.6e-5 from float64 where the largest entry is 28.
+ATOL_PER_SCALE = 1e-6
 
 
 def config(**overrides) -> Qwen3MoeConfig:
@@ -76,12 +80,13 @@ def run(module, inputs, extra=(), pick=lambda out: out):
     return out, grads
 
 
-def assert_parity(reference, fused, **tolerance):
+def assert_parity(reference, fused, atol, rtol):
+    """Outputs and gradients equal to `rtol`, and to `atol` or ATOL_PER_SCALE of each tensor's largest entry."""
     (out_r, grads_r), (out_f, grads_f) = reference, fused
-    assert_close(out_f, out_r, **tolerance)
     assert grads_r.keys() == grads_f.keys()
-    for name in grads_r:
-        assert_close(grads_f[name], grads_r[name], **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+    for name, got, expected in [("output", out_f, out_r)] + [(n, grads_f[n], grads_r[n]) for n in grads_r]:
+        scaled = max(atol, ATOL_PER_SCALE * expected.abs().max().item()) if expected.numel() else atol
+        assert_close(got, expected, atol=scaled, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("shape", [(5, 48), (2, 7, 33), (3, 1, 128)])
