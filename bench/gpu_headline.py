@@ -158,6 +158,10 @@ def _step_rank(system: str, steps: int, micro: int, seq: int) -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # What the device holds before this rank allocates anything (the parent's context and
+    # cache): not this system's. One GPU: every rank of these parts runs on device 0.
+    free, total_bytes = torch.cuda.mem_get_info(0)
+    before = total_bytes - free
     if system == "hp":
         hp.comm.init()
     else:
@@ -205,38 +209,51 @@ def _step_rank(system: str, steps: int, micro: int, seq: int) -> dict:
         # caching allocator, which keeps what a step reserved, so after a step this is the peak.
         free, total_bytes = torch.cuda.mem_get_info(device)
         used.append(total_bytes - free)
-    return {"losses": losses, "ms": times, "peak": max(used)}
+    return {"losses": losses, "ms": times, "peak": max(used) - before}
 
 
 class _GatheredTorchMuon:
-    """torch.optim.Muon as FSDP2 users run it (the protocol's baseline): each full parameter and
-    gradient gathered (DTensor.full_tensor()), torch.optim.Muon one matrix at a time (an expert
-    stack is one matrix per expert), each rank keeping its own rows."""
+    """torch.optim.Muon as FSDP2 users run it (the protocol's baseline): one parameter at a time,
+    its full value and gradient gathered (DTensor.full_tensor()), torch.optim.Muon stepping it one
+    matrix at a time (an expert stack is one matrix per expert), each rank keeping its own rows.
+    Only one parameter's full copy lives at a time, and none on one rank: there the matrices are
+    views of the parameter itself, so torch's memory is not inflated by the harness."""
 
     def __init__(self, params, **kwargs) -> None:
+        self.params = list(params)
+        self.world = dist.get_world_size()
+        # Per parameter, its matrices and their own torch.optim.Muon (momentum is per matrix, so
+        # this is one torch.optim.Muon's numerics); step() points the matrices at the gathered data.
+        # Between steps they hold an empty 2-D placeholder (torch.optim.Muon takes only matrices).
+        self.matrices, self.inner = [], []
+        for p in self.params:
+            matrices = [nn.Parameter(self._local(p).new_empty(0, 0)) for _ in range(p.shape[0] if p.dim() == 3 else 1)]
+            self.matrices.append(matrices)
+            self.inner.append(torch.optim.Muon(matrices, **kwargs))
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        self.params = list(params)
-        self.full = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in self.params]
-        # Parameters over views of the full tensors: torch's momentum is per matrix.
-        self.matrices = [[nn.Parameter(m) for m in (f.unbind(0) if f.dim() == 3 else [f])] for f in self.full]
-        self.inner = torch.optim.Muon([m for ms in self.matrices for m in ms], **kwargs)
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def _full(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor() if isinstance(t, DTensor) and self.world > 1 else self._local(t)
 
     @torch.no_grad()
     def step(self) -> None:
-        from torch.distributed.tensor import DTensor
-
-        for p, full, matrices in zip(self.params, self.full, self.matrices):
-            full.copy_(p.full_tensor() if isinstance(p, DTensor) else p)
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            for m, g in zip(matrices, grad.unbind(0) if grad.dim() == 3 else [grad]):
-                m.grad = g
-        self.inner.step()
-        for p, full in zip(self.params, self.full):
-            if isinstance(p, DTensor):
-                p.to_local().copy_(torch.chunk(full, dist.get_world_size())[dist.get_rank()])
-            else:
-                p.copy_(full)
+        for p, matrices, inner in zip(self.params, self.matrices, self.inner):
+            full, grad = self._full(p.detach()), self._full(p.grad)
+            for m, value, g in zip(matrices, full.unbind(0) if full.dim() == 3 else [full],
+                                   grad.unbind(0) if grad.dim() == 3 else [grad]):
+                m.data, m.grad = value, g
+            inner.step()
+            if self.world > 1:
+                self._local(p).copy_(torch.chunk(full, self.world)[dist.get_rank()])
+            for m in matrices:  # the gathered copies go now, not at the next step
+                m.data, m.grad = m.data.new_empty(0, 0), None
 
     def zero_grad(self) -> None:
         for p in self.params:

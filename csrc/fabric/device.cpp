@@ -130,7 +130,8 @@ void PeerMemory::release() noexcept {
   cudaSetDevice(previous);
 }
 
-DeviceEvent::DeviceEvent() {
+DeviceEvent::DeviceEvent(int device) {
+  DeviceScope scope(device);
   cudaEvent_t event;
   check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   event_ = event;

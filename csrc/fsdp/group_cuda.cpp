@@ -218,7 +218,12 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
       dtype_(params[0].scalar_type()),
       compute_dtype_(options_.param_dtype.value_or(dtype_)),
       grad_dtype_(options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_))),
-      layout_(params, communicator_->node().size()) {
+      layout_(params, communicator_->node().size()),
+      published_at_(device_.index()),
+      allocated_at_(device_.index()),
+      unsharded_at_(device_.index()),
+      grads_at_(device_.index()),
+      reduced_at_(device_.index()) {
   c10::DeviceGuard guard(device_);
   for (const auto& param : params) {
     TORCH_CHECK(param.scalar_type() == dtype_, "hyperparallel fully_shard: one group's parameters must share a dtype, ",

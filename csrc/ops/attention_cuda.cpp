@@ -142,8 +142,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
               "hyperparallel::attention: q (batch, seq, heads, head_dim) and k, v (batch, seq, kv_heads, head_dim) "
               "with kv_heads dividing heads; got q ",
               q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  const at::Tensor q_rope = norm_rope(q, q_norm_weight, cos, sin, q_eps);
-  const at::Tensor k_rope = norm_rope(k, k_norm_weight, cos, sin, k_eps);
+  // The kernels read cos and sin in float32: convert them once here, not in
+  // each of q's and k's passes both ways.
+  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+  const at::Tensor q_rope = norm_rope(q, q_norm_weight, c, s, q_eps);
+  const at::Tensor k_rope = norm_rope(k, k_norm_weight, c, s, k_eps);
   at::Tensor keys = k_rope, values = v.transpose(1, 2);
   const int64_t group = q.size(2) / k.size(2), seq = q.size(1);
   // The op's mask applies on top of causality; SDPA takes one or the other.

@@ -115,7 +115,8 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     : params_(std::move(params)),
       comm_(comm),
       device_(device),
-      results_stream_(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, false)) {
+      results_stream_(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, false)),
+      results_pulled_(device.index()) {
   c10::DeviceGuard guard(device_);
   bool any_sharded = false;
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -150,7 +151,13 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
       return pool.rows == rows && pool.cols == cols && pool.ns == spec.ns && pool.sharded == spec.sharded;
     });
     const int pool = int(found - pools_.begin());
-    if (found == pools_.end()) pools_.push_back(Pool{rows, cols, spec.ns, spec.sharded});
+    if (found == pools_.end()) {
+      Pool& added = pools_.emplace_back();
+      added.rows = rows;
+      added.cols = cols;
+      added.ns = spec.ns;
+      added.sharded = spec.sharded;
+    }
     for (int64_t e = 0; e < experts; ++e) {
       matrices_of_[i].push_back(int64_t(matrices_.size()));
       matrices_.push_back(Matrix{int64_t(i), e, pool, rank_, 0, {}});

@@ -78,7 +78,10 @@ class PeerMemory {
 // An event of this process: record on one stream, make another wait (RAII).
 class DeviceEvent {
  public:
-  DeviceEvent();
+  // An event belongs to the device current at its creation, and a stream of
+  // another device cannot record it: it is created on `device`, whatever the
+  // calling thread's current device.
+  explicit DeviceEvent(int device);
   ~DeviceEvent();
   DeviceEvent(const DeviceEvent&) = delete;
   DeviceEvent& operator=(const DeviceEvent&) = delete;
