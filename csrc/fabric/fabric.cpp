@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -25,10 +24,12 @@ namespace {
 
 constexpr uint64_t kMagic = 0x68702d6661627231ull;  // "hp-fabr1"
 constexpr std::size_t kLine = 64;
+// The fabric's own channels, in its control segment (every other channel has
+// a segment of its own, which allocate() needs these to hand out).
 constexpr int kBarrierChannel = 0;  // also carries the start-up handshake (value 1)
 constexpr int kAllocChannel = 1;
 constexpr int kExchangeChannel = 2;
-constexpr int kReservedChannels = 3;
+constexpr int kOwnChannels = 3;
 // How long a waiter sleeps between looks at its peers' health.
 constexpr std::chrono::milliseconds kWatchInterval{100};
 // Spins before the first futex wait: short, since ranks may share cores.
@@ -62,22 +63,14 @@ Options Options::from_env() {
   Options options;
   options.heartbeat_timeout = env_seconds("HP_HEARTBEAT_TIMEOUT", options.heartbeat_timeout);
   options.timeout = env_seconds("HP_TIMEOUT", options.timeout);
-  std::string channels = sys::env_or("HP_CHANNELS", "");
-  if (!channels.empty()) {
-    options.channels = std::atoi(channels.c_str());
-    if (options.channels <= kReservedChannels)
-      throw std::invalid_argument("HP_CHANNELS='" + channels + "' must be an integer > " +
-                                  std::to_string(kReservedChannels));
-  }
   return options;
 }
 
-// The control segment: one per node and job. Counters follow the struct,
-// one cache line per (channel, local rank) so that posts never contend.
+// The control segment: one per node and job. The fabric's own channels'
+// counters follow the struct.
 struct Fabric::Control {
   uint64_t magic;
   uint32_t local_world;
-  uint32_t channels;
   alignas(kLine) std::atomic<uint32_t> generation;  // the futex word: bumped by every post
   std::atomic<uint32_t> sleepers;
   alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 fine, 1 writing reason, 2 reason ready
@@ -90,16 +83,13 @@ struct Fabric::Control {
     char data[kExchangeBytes];
   } exchange[kMaxLocalRanks];
 
-  static std::size_t bytes(int local_world, int channels) {
-    return sizeof(Control) + std::size_t(channels) * local_world * kLine;
-  }
+  static std::size_t bytes(int local_world) { return sizeof(Control) + std::size_t(kOwnChannels) * local_world * kLine; }
 };
 
 Fabric::Control* Fabric::control() const { return static_cast<Control*>(control_->data()); }
 
-std::atomic<uint64_t>& Fabric::counter(int channel, int local) const {
-  char* base = static_cast<char*>(control_->data()) + sizeof(Control);
-  return *reinterpret_cast<std::atomic<uint64_t>*>(base + (std::size_t(channel) * local_world() + local) * kLine);
+std::atomic<uint64_t>& Channel::counter(int local) const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(counters_ + std::size_t(local) * kLine);
 }
 
 Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
@@ -109,14 +99,13 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
                                 " ranks on one node; the fabric supports at most " + std::to_string(kMaxLocalRanks));
   const int instance = fabric_instances.fetch_add(1);
   const std::string key = "hp/fabric/node" + std::to_string(topology.node) + "/" + std::to_string(instance);
-  const std::size_t control_bytes = Control::bytes(topology.local_world_size, options.channels);
+  const std::size_t control_bytes = Control::bytes(topology.local_world_size);
   if (topology.local_rank == 0) {
     sweep_stale_segments();
     name_prefix_ = segment_prefix() + "-" + std::to_string(instance);
     control_ = std::make_shared<Segment>(Segment::create(name_prefix_ + "-ctl", control_bytes));
     Control* c = control();  // fresh tmpfs pages are zero: atomics start at 0
     c->local_world = static_cast<uint32_t>(topology.local_world_size);
-    c->channels = static_cast<uint32_t>(options.channels);
     c->magic = kMagic;
     bootstrap.set(key, control_->name() + "\n" + std::to_string(control_bytes));
   } else {
@@ -127,7 +116,7 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
     if (published_bytes != control_bytes)
       throw std::runtime_error("hyperparallel: local rank 0 made a control segment of " + std::to_string(published_bytes) +
                                " bytes, this rank expects " + std::to_string(control_bytes) +
-                               "; every rank of a node must see the same LOCAL_WORLD_SIZE and HP_CHANNELS");
+                               "; every rank of a node must see the same LOCAL_WORLD_SIZE");
     control_ = std::make_shared<Segment>(Segment::open(name, control_bytes));
     if (control()->magic != kMagic || control()->local_world != uint32_t(topology.local_world_size))
       throw std::runtime_error("hyperparallel: control segment " + name + " does not belong to this job");
@@ -136,10 +125,13 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
   slot.pid = getpid();
   slot.global_rank = topology.rank;
   slot.heartbeat_ns.store(sys::monotonic_ns());
-  barrier_channel_ = Channel(this, kBarrierChannel);
-  alloc_channel_ = Channel(this, kAllocChannel);
-  exchange_channel_ = Channel(this, kExchangeChannel);
-  next_channel_ = kReservedChannels;
+  auto own = [&](int channel) {
+    char* counters = static_cast<char*>(control_->data()) + sizeof(Control);
+    return Channel(this, counters + std::size_t(channel) * topology.local_world_size * kLine, nullptr);
+  };
+  barrier_channel_ = own(kBarrierChannel);
+  alloc_channel_ = own(kAllocChannel);
+  exchange_channel_ = own(kExchangeChannel);
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 
   // Everyone has mapped the control segment once every rank posted: its name
@@ -231,16 +223,15 @@ int Fabric::global_rank_of(int local) const {
 }
 
 Channel Fabric::channel() {
-  if (next_channel_ >= options_.channels)
-    throw std::runtime_error("hyperparallel: all " + std::to_string(options_.channels) +
-                             " signalling channels are in use; raise HP_CHANNELS");
-  return Channel(this, next_channel_++);
+  // Fresh pages are zero: every counter starts at 0.
+  std::shared_ptr<Segment> memory = allocate(std::size_t(local_world()) * kLine);
+  return Channel(this, static_cast<char*>(memory->data()), memory);
 }
 
-void Fabric::post(int channel, uint64_t value) {
+void Fabric::post(const Channel& channel, uint64_t value) {
   check_open();  // a rank that left must not look as if it took part
   Control* c = control();
-  counter(channel, local_rank()).store(value, std::memory_order_seq_cst);
+  channel.counter(local_rank()).store(value, std::memory_order_seq_cst);
   c->generation.fetch_add(1, std::memory_order_seq_cst);
   if (c->sleepers.load(std::memory_order_seq_cst) > 0) sys::futex_wake_all(&c->generation);
 }
@@ -252,11 +243,11 @@ void Fabric::check_open() const {
                       "after it (hp.comm.init() starts afresh)");
 }
 
-void Fabric::wait(int channel, int first, int last, uint64_t value, const char* what) {
+void Fabric::wait(const Channel& channel, int first, int last, uint64_t value, const char* what) {
   check_open();
   auto reached = [&] {
     for (int p = first; p < last; ++p)
-      if (counter(channel, p).load(std::memory_order_acquire) < value) return false;
+      if (channel.counter(p).load(std::memory_order_acquire) < value) return false;
     return true;
   };
   Control* c = control();
@@ -281,12 +272,12 @@ void Fabric::wait(int channel, int first, int last, uint64_t value, const char* 
   }
 }
 
-void Fabric::check_peers(int channel, int first, int last, uint64_t value, const char* what,
+void Fabric::check_peers(const Channel& channel, int first, int last, uint64_t value, const char* what,
                          std::chrono::steady_clock::time_point started) {
   const int64_t now = sys::monotonic_ns();
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   for (int p = first; p < last; ++p) {
-    if (counter(channel, p).load() >= value) continue;
+    if (channel.counter(p).load() >= value) continue;
     const RankSlot& slot = control()->slots[p];
     if (slot.pid == 0) {  // has not joined yet
       if (waited * 1000 > options_.timeout.count())
@@ -410,14 +401,14 @@ std::shared_ptr<Segment> Fabric::allocate(std::size_t bytes) {
   return segment;
 }
 
-void Channel::post(uint64_t value) const { fabric_->post(index_, value); }
+void Channel::post(uint64_t value) const { fabric_->post(*this, value); }
 
 void Channel::wait_all(uint64_t value, const char* what) const {
-  fabric_->wait(index_, 0, fabric_->local_world(), value, what);
+  fabric_->wait(*this, 0, fabric_->local_world(), value, what);
 }
 
 void Channel::wait(int peer, uint64_t value, const char* what) const {
-  fabric_->wait(index_, peer, peer + 1, value, what);
+  fabric_->wait(*this, peer, peer + 1, value, what);
 }
 
 }  // namespace hp::fabric

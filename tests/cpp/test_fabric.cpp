@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "hyperparallel/fabric/fabric.h"
@@ -69,6 +70,31 @@ TEST(Fabric, ChannelsSignalOnePeerOrAll) {
     }
   });
   for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+}
+
+// What a program that builds and drops models again and again does: every
+// channel it drops is unmapped, and there is no cap on how many it makes.
+TEST(Fabric, DroppedChannelsAreFreed) {
+  auto shm_mappings = [] {
+    std::ifstream maps("/proc/self/maps");
+    int count = 0;
+    for (std::string line; std::getline(maps, line);) count += line.find("/dev/shm/hp-") != std::string::npos;
+    return count;
+  };
+  auto exits = run_ranks(2, [&](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    const int before = shm_mappings();
+    for (uint64_t round = 1; round <= 5000; ++round) {
+      fabric::Channel channel = fab->channel();
+      fabric::Channel copy = channel;  // copies share it
+      channel.post(1);
+      copy.wait(1 - rank, 1, "test");
+    }
+    check(shm_mappings() == before, "every dropped channel's segment was unmapped");
+    fabric::Channel kept = fab->channel();
+    check(shm_mappings() == before + 1, "a live channel stays mapped");
+  });
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+  EXPECT_TRUE(leftover_segments().empty());
 }
 
 TEST(Fabric, SweepRemovesSegmentsOfDeadJobsOnly) {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -298,3 +300,36 @@ def test_a_root_with_no_parameters_left_is_accepted_as_torch_does():
         for losses, params in result.values():
             assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
             assert_params_close(params, expected_params, 1e-5)
+
+
+# -- building and dropping models ---------------------------------------------------------------
+def shared_mappings() -> int:
+    """hyperparallel's shared-memory segments this process maps."""
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/hp-" in line for line in maps)
+
+
+def rebuilt_models(rounds: int) -> list[int]:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = []
+    for _ in range(rounds):
+        model = shard(make_model(), "hp")
+        muon, adamw = hp.optim.muon_param_split(model)
+        optimizers = [hp.optim.Muon(muon, lr=0.01), torch.optim.AdamW(adamw, lr=0.01)]
+        train(model, batches(world, steps=2), rank, world)
+        for optimizer in optimizers:
+            optimizer.step()
+        del model, muon, adamw, optimizers
+        gc.collect()
+        counts.append(shared_mappings())
+    return counts
+
+
+def test_dropped_models_leave_no_shared_memory_behind():
+    """A notebook or a hyperparameter sweep builds model after model in one process: each one's
+    node-shared memory and signalling channels go with it. As with torch's FSDP2, a sharded module
+    and its hooks form reference cycles, so that happens at Python's next collection."""
+    for counts in run(rebuilt_models, nproc=2, args=(4,)).values():
+        assert counts[1:] == [counts[1]] * 3, f"hp shared mappings after each model: {counts}"

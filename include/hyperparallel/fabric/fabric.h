@@ -41,8 +41,6 @@ struct Options {
   // A wait that outlasts this while every peer is alive is declared a
   // deadlock (HP_TIMEOUT, seconds).
   std::chrono::milliseconds timeout{600000};
-  // Number of signalling channels (HP_CHANNELS).
-  int channels = 4096;
   static Options from_env();
 };
 
@@ -50,8 +48,10 @@ class Fabric;
 
 // A channel is one monotonically increasing counter per local rank. A rank
 // posts a value on its own counter; others wait until one or all counters
-// reach a value. Channels are handed out in call order, so ranks that create
-// them in the same order agree on which is which.
+// reach a value. Each channel lives in a small segment of its own and is
+// freed with its last handle (copies share it), so a program that builds and
+// drops sharded models again and again holds only the channels of the models
+// alive.
 class Channel {
  public:
   Channel() = default;
@@ -62,13 +62,15 @@ class Channel {
   void wait_all(uint64_t value, const char* what) const;
   // Blocks until local rank `peer`'s counter is >= value.
   void wait(int peer, uint64_t value, const char* what) const;
-  int index() const { return index_; }
 
  private:
   friend class Fabric;
-  Channel(Fabric* fabric, int index) : fabric_(fabric), index_(index) {}
+  Channel(Fabric* fabric, char* counters, std::shared_ptr<Segment> memory)
+      : fabric_(fabric), counters_(counters), memory_(std::move(memory)) {}
+  std::atomic<uint64_t>& counter(int local) const;
   Fabric* fabric_ = nullptr;
-  int index_ = -1;
+  char* counters_ = nullptr;         // one cache line per local rank, so that posts never contend
+  std::shared_ptr<Segment> memory_;  // null for the fabric's own channels, which live in its control segment
 };
 
 // Raised on every rank when a peer died, froze, left, or a wait timed out,
@@ -96,8 +98,7 @@ class Fabric {
   // stays in /dev/shm even if the job is killed.
   std::shared_ptr<Segment> allocate(std::size_t bytes);
 
-  // A fresh channel; collective in the sense that every rank must create its
-  // channels in the same order.
+  // Collective over local ranks: a fresh channel, in a segment of its own.
   Channel channel();
 
   // Collective over local ranks.
@@ -135,12 +136,11 @@ class Fabric {
   friend class Channel;
   struct Control;
   Control* control() const;
-  std::atomic<uint64_t>& counter(int channel, int local) const;
-  void post(int channel, uint64_t value);
-  void wait(int channel, int first, int last, uint64_t value, const char* what);
+  void post(const Channel& channel, uint64_t value);
+  void wait(const Channel& channel, int first, int last, uint64_t value, const char* what);
   // Called between futex waits: raises if a peer in [first, last) that has not
   // reached `value` is dead or frozen, or if the wait timed out.
-  void check_peers(int channel, int first, int last, uint64_t value, const char* what,
+  void check_peers(const Channel& channel, int first, int last, uint64_t value, const char* what,
                    std::chrono::steady_clock::time_point started);
   // Raises FabricError with the recorded abort reason.
   [[noreturn]] void fail();
@@ -160,7 +160,6 @@ class Fabric {
   uint64_t barrier_epoch_ = 0;
   uint64_t exchange_epoch_ = 0;
   uint64_t alloc_seq_ = 0;
-  int next_channel_ = 0;
   std::string name_prefix_;
   std::mutex heartbeat_mutex_;
   std::condition_variable heartbeat_wake_;
