@@ -316,12 +316,11 @@ def rebuilt_models(rounds: int) -> list[int]:
     counts = []
     for _ in range(rounds):
         model = shard(make_model(), "hp")
-        muon, adamw = hp.optim.muon_param_split(model)
-        optimizers = [hp.optim.Muon(muon, lr=0.01), torch.optim.AdamW(adamw, lr=0.01)]
-        train(model, batches(world, steps=2), rank, world)
-        for optimizer in optimizers:
-            optimizer.step()
-        del model, muon, adamw, optimizers
+        optimizer = hp.optim.Muon(hp.optim.muon_param_split(model)[0], lr=0.01)
+        tokens = batches(world, steps=1)[0][rank * MICRO : (rank + 1) * MICRO]
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()  # Muon's plan and its node-shared window
+        del model, optimizer
         gc.collect()
         counts.append(shared_mappings())
     return counts
