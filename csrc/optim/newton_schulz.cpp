@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 #include "gram.h"
+#include "reference_gemm.h"
 
 namespace hp::optim {
 namespace {
@@ -101,7 +103,8 @@ void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         gram::upper_block(y, packed, m, k, p, addend, float(beta), float(alpha), result);
-        if (blocks - 1 - p != p) gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
+        if (blocks - 1 - p != p)
+          gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
       }
     });
     at::Tensor matrix = out[i];
@@ -110,11 +113,11 @@ void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c
 }
 
 // Without the gram kernels (no AVX-512 bfloat16 dot products, or an odd inner
-// size): torch.optim.Muon's own calls on one matrix, the same operands in the
-// same layouts (a tall matrix's transposed view in the first round included).
-// Elsewhere oneDNN's sums depend on the operands' shapes and layouts (on AVX2
-// cores a row panel, GᵀG for GG or a transposed copy each move some elements
-// by a bfloat16 ulp), so only the very same calls give torch's bits.
+// size) on an AVX-512 CPU: torch.optim.Muon's own calls on one matrix, the
+// same operands in the same layouts (a tall matrix's transposed view in the
+// first round included). There oneDNN's sums depend on the operands' shapes
+// and layouts (a row panel, GᵀG for GG or a transposed copy each move some
+// elements by a bfloat16 ulp), so only the very same calls give torch's bits.
 void torch_rounds_(const at::Tensor& matrix, const NsOptions& options) {
   const bool tall = matrix.size(0) > matrix.size(1);
   at::Tensor x = tall ? matrix.t() : matrix;
@@ -143,6 +146,48 @@ void newton_schulz_device_(const at::Tensor& batch, const NsOptions& options) {
   batch.copy_(tall ? x.transpose(1, 2) : x);
 }
 
+// torch_rounds_' results from reference_gemm's kernels (see
+// reference_gemm.h), each GEMM on every thread.
+void reference_rounds_(const at::Tensor& matrix, const NsOptions& options) {
+  const reference_gemm::Parallel parallel = [](int64_t tasks, const std::function<void(int64_t, int64_t)>& body) {
+    at::parallel_for(0, tasks, 1, body);
+  };
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  auto floats = [](const at::Tensor& t) { return t.const_data_ptr<float>(); };
+  const bool tall = matrix.size(0) > matrix.size(1);
+  const int64_t m = std::min(matrix.size(0), matrix.size(1)), n = std::max(matrix.size(0), matrix.size(1));
+  const at::Tensor oriented = tall ? matrix.t() : matrix;
+  at::Tensor x = oriented.div(oriented.norm().clamp_min(options.eps)).contiguous();  // m x n
+  at::Tensor gram = at::empty({m, m}, x.options()), update = at::empty_like(gram), next = at::empty_like(x);
+  at::Tensor wide = at::empty({m, n}, x.options().dtype(at::kFloat)), square = at::empty({m, m}, wide.options());
+  int64_t step = 0;
+  if (tall && options.steps > 0) {
+    // torch multiplies the transposed view here: its gram is Yᵀ Y with Y (the
+    // matrix, n x m) row-major, and H X reads X's columns, Y's rows.
+    at::Tensor rows = x.t().to(at::kFloat).contiguous();  // Y, n x m
+    reference_gemm::gram_sequential(floats(rows), n, m, bits(gram), parallel);
+    square.copy_(gram);
+    reference_gemm::product(floats(square), floats(square), m, m, m, bits(gram), float(options.b), float(options.c),
+                            bits(update), parallel);
+    square.copy_(update);
+    reference_gemm::dots(floats(square), floats(rows), m, n, m, bits(x), float(options.a), 1.0f, bits(next), parallel);
+    std::swap(x, next);
+    step = 1;
+  }
+  for (; step < options.steps; ++step) {
+    wide.copy_(x);
+    reference_gemm::gram(floats(wide), m, n, bits(gram), parallel);
+    square.copy_(gram);
+    reference_gemm::product(floats(square), floats(square), m, m, m, bits(gram), float(options.b), float(options.c),
+                            bits(update), parallel);
+    square.copy_(update);
+    reference_gemm::product(floats(square), floats(wide), m, m, n, bits(x), float(options.a), 1.0f, bits(next),
+                            parallel);
+    std::swap(x, next);
+  }
+  matrix.copy_(tall ? x.t() : x);
+}
+
 }  // namespace
 
 void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
@@ -165,8 +210,9 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
   const int64_t m = std::min(batch.size(1), batch.size(2)), n = std::max(batch.size(1), batch.size(2));
   if (!gram::available() || !gram::fits(n)) {
     // One matrix after another, each GEMM on every thread, as torch runs them
-    // (a GEMM's sums may depend on how its threads split the work).
-    for (int64_t i = 0; i < count; ++i) torch_rounds_(batch[i], options);
+    // (a oneDNN GEMM's sums may depend on how its threads split the work).
+    const bool reference = reference_gemm::available();
+    for (int64_t i = 0; i < count; ++i) (reference ? reference_rounds_ : torch_rounds_)(batch[i], options);
     ns_calls.fetch_add(1, std::memory_order_relaxed);
     ns_matrices.fetch_add(count, std::memory_order_relaxed);
     return;

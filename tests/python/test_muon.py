@@ -160,11 +160,15 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
 
 # Each symmetric product's inner size k in every one of oneDNN's summation
 # regimes (k <= 512: one block; 512 < k <= 1024: blocks of 512; more: 1024),
-# partial column blocks and row tiles, and odd k (torch's own calls).
+# partial column blocks and row tiles, and odd k (torch's own calls). Without
+# AVX-512 (reference_gemm.h): k below 16, below 64 and exactly 64, whole and
+# partial chunks of 16 past the 64s, rows past the kernels' blocks of 3 and 4,
+# tall matrices (their first round has an order of its own).
 @pytest.mark.parametrize(
     "shape",
     [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301), (1, 400, 520),
-     (1, 530, 520), (1, 100, 1100), (1, 1100, 100)],
+     (1, 530, 520), (1, 100, 1100), (1, 1100, 100), (2, 5, 13), (2, 7, 50), (2, 10, 64), (2, 70, 11),
+     (1, 131, 37)],
 )
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     generator = torch.Generator().manual_seed(4)
@@ -176,7 +180,8 @@ def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
 
 
 def test_newton_schulz_without_bfloat16_dot_products_is_torch_bit_for_bit():
-    """HP_SIMD=avx2 (as on a CPU without AVX-512 bfloat16): each matrix goes through torch's own GEMM calls."""
+    """HP_SIMD=avx2: on an AVX-512 CPU each matrix goes through torch's own GEMM calls (oneDNN's there); on an
+    AVX2-only CPU through reference_gemm.h's kernels (torch's GEMM there is ATen's reference one)."""
     script = """
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
