@@ -84,10 +84,7 @@ HP_REF_TARGET void dot_block(const float* const* a, const float* const* b, int64
   const int64_t k64 = k / 64 * 64;
   alignas(32) float acc[R][C][64];
   for (int v = 0; v < 8; ++v) {
-    __m256 s[R][C];
-    HP_UNROLL
-    for (auto& row : s) HP_UNROLL
-    for (auto& x : row) x = _mm256_setzero_ps();
+    __m256 s[R][C] = {};
     for (int64_t l = 8 * v; l < k64; l += 64) {
       __m256 av[R];
       HP_UNROLL
@@ -100,8 +97,7 @@ HP_REF_TARGET void dot_block(const float* const* a, const float* const* b, int64
       }
     }
     HP_UNROLL
-    for (int i = 0; i < R; ++i) HP_UNROLL
-    for (int j = 0; j < C; ++j) _mm256_store_ps(acc[i][j] + 8 * v, s[i][j]);
+    for (int t = 0; t < R * C; ++t) _mm256_store_ps(acc[t / C][t % C] + 8 * v, s[t / C][t % C]);
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < C; ++j) {
@@ -177,10 +173,7 @@ HP_REF_TARGET void product_block(const float* a, int64_t k, const float* packed,
   const int64_t k4 = k / 4 * 4;
   __m256 part[4][R][NV];
   for (int q = 0; q < 4; ++q) {
-    __m256 s[R][NV];
-    HP_UNROLL
-    for (auto& row : s) HP_UNROLL
-    for (auto& x : row) x = _mm256_setzero_ps();
+    __m256 s[R][NV] = {};
     auto add = [&](int64_t l) HP_REF_TARGET {
       __m256 bv[NV];
       HP_UNROLL
@@ -196,19 +189,17 @@ HP_REF_TARGET void product_block(const float* a, int64_t k, const float* packed,
     if (q == 0)
       for (int64_t l = k4; l < k; ++l) add(l);
     HP_UNROLL
-    for (int i = 0; i < R; ++i) HP_UNROLL
-    for (int v = 0; v < NV; ++v) part[q][i][v] = s[i][v];
+    for (int t = 0; t < R * NV; ++t) part[q][t / NV][t % NV] = s[t / NV][t % NV];
   }
   const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
-  HP_UNROLL
-  for (int i = 0; i < R; ++i) HP_UNROLL
-  for (int v = 0; v < NV; ++v) {
-    __m256 sum =
-        _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0][i][v], part[1][i][v]), part[2][i][v]), part[3][i][v]);
-    sum = _mm256_mul_ps(va, sum);
-    if (beta != 0.0f) sum = _mm256_fmadd_ps(vb, load_bf16(c + i * ldc + 8 * v), sum);
-    store_bf16(out + i * ldo + 8 * v, sum);
-  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) {
+      __m256 sum =
+          _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0][i][v], part[1][i][v]), part[2][i][v]), part[3][i][v]);
+      sum = _mm256_mul_ps(va, sum);
+      if (beta != 0.0f) sum = _mm256_fmadd_ps(vb, load_bf16(c + i * ldc + 8 * v), sum);
+      store_bf16(out + i * ldo + 8 * v, sum);
+    }
 }
 
 template <int NV>
@@ -235,10 +226,7 @@ float column_sum(const float* a, const float* b, int64_t k, int64_t n) {
 // columns from j0: one accumulator per element, y's rows in order.
 template <int R, int NV>
 HP_REF_TARGET void sequential_block(const float* y, int64_t k, int64_t m, int64_t i0, int64_t j0, uint16_t* out) {
-  __m256 s[R][NV];
-  HP_UNROLL
-  for (auto& row : s) HP_UNROLL
-  for (auto& x : row) x = _mm256_setzero_ps();
+  __m256 s[R][NV] = {};
   for (int64_t l = 0; l < k; ++l) {
     const float* row = y + l * m;
     __m256 bv[NV];
@@ -251,18 +239,13 @@ HP_REF_TARGET void sequential_block(const float* y, int64_t k, int64_t m, int64_
       for (int v = 0; v < NV; ++v) s[i][v] = _mm256_fmadd_ps(x, bv[v], s[i][v]);
     }
   }
-  // Only j >= i is written, with its mirror: the elements below the diagonal
-  // belong to other row blocks' tasks.
+  // Rows [i0, i0 + R) are this task's; mirror() fills the rest afterwards.
   alignas(32) float sums[8 * NV];
   HP_UNROLL
   for (int i = 0; i < R; ++i) {
     HP_UNROLL
     for (int v = 0; v < NV; ++v) _mm256_store_ps(sums + 8 * v, s[i][v]);
-    for (int64_t j = std::max(j0, i0 + i); j < j0 + 8 * NV; ++j) {
-      const uint16_t value = float_to_bf16(sums[j - j0]);
-      out[(i0 + i) * m + j] = value;
-      out[j * m + i0 + i] = value;
-    }
+    for (int64_t j = 0; j < 8 * NV; ++j) out[(i0 + i) * m + j0 + j] = float_to_bf16(sums[j]);
   }
 }
 
@@ -276,8 +259,18 @@ void sequential_rows(const float* y, int64_t k, int64_t m, int64_t i0, uint16_t*
     for (int64_t j = std::max(m8, i); j < m; ++j) {
       float sum = 0.0f;
       for (int64_t l = 0; l < k; ++l) sum += y[l * m + i] * y[l * m + j];
-      out[i * m + j] = out[j * m + i] = float_to_bf16(sum);
+      out[i * m + j] = float_to_bf16(sum);
     }
+}
+
+// out's lower triangle from its upper one, after every task has written its
+// rows: writing both from the tasks would have threads write the same cache
+// lines (a column of the upper triangle is a row of the lower one).
+void mirror(uint16_t* out, int64_t m, const Parallel& parallel) {
+  parallel(m, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t j = 0; j < i; ++j) out[i * m + j] = out[j * m + i];
+  });
 }
 
 }  // namespace
@@ -290,12 +283,11 @@ void gram(const float* x, int64_t m, int64_t k, uint16_t* out, const Parallel& p
       const int64_t c = std::min(kDotBlock, m - j0);
       float sums[kDotBlock][kDotBlock];
       dots_at(x, i0, r, x, j0, c, k, sums);
-      // x_i · x_j and x_j · x_i add the same products in the same order.
       for (int64_t i = 0; i < r; ++i)
-        for (int64_t j = 0; j < c; ++j)
-          out[(i0 + i) * m + j0 + j] = out[(j0 + j) * m + i0 + i] = float_to_bf16(sums[i][j]);
+        for (int64_t j = 0; j < c; ++j) out[(i0 + i) * m + j0 + j] = float_to_bf16(sums[i][j]);
     }
   });
+  mirror(out, m, parallel);  // x_i · x_j and x_j · x_i: the same products in the same order
 }
 
 void gram_sequential(const float* y, int64_t k, int64_t m, uint16_t* out, const Parallel& parallel) {
@@ -313,6 +305,7 @@ void gram_sequential(const float* y, int64_t k, int64_t m, uint16_t* out, const 
         return sequential_rows<1>(y, k, m, i0, out);
     }
   });
+  mirror(out, m, parallel);
 }
 
 void dots(const float* a, const float* b, int64_t m, int64_t n, int64_t k, const uint16_t* c, float beta, float alpha,
@@ -337,26 +330,29 @@ void dots(const float* a, const float* b, int64_t m, int64_t n, int64_t k, const
 
 void product(const float* a, const float* b, int64_t m, int64_t k, int64_t n, const uint16_t* c, float beta,
              float alpha, uint16_t* out, const Parallel& parallel) {
-  const int64_t n8 = n / 8 * 8, panels = (n8 + kPanel - 1) / kPanel;
+  const int64_t n8 = n / 8 * 8;
   if (beta == 0.0f) c = nullptr;
-  parallel(panels + (n8 < n ? 1 : 0), [&](int64_t begin, int64_t end) {
+  // A task is a band of rows and packs each panel of b for itself: a copy of
+  // k x 24 floats against the band's rows x k x 24 FMAs.
+  parallel((m + kProductRows - 1) / kProductRows, [&](int64_t begin, int64_t end) {
+    const int64_t i0 = begin * kProductRows, rows = std::min(m, end * kProductRows) - i0;
+    const float* band = a + i0 * k;
+    const uint16_t* band_c = c ? c + i0 * n : nullptr;
+    uint16_t* band_out = out + i0 * n;
     std::vector<float> packed;
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t j0 = p * kPanel;
-      if (j0 >= n8) {  // the last n mod 8 columns, one at a time
-        for (int64_t j = n8; j < n; ++j)
-          for (int64_t i = 0; i < m; ++i)
-            out[i * n + j] = finish(column_sum(a + i * k, b + j, k, n), alpha, beta, c ? c + i * n + j : nullptr);
-        continue;
-      }
+    for (int64_t j0 = 0; j0 < n8; j0 += kPanel) {
       const int64_t width = std::min(kPanel, n8 - j0);
       packed.resize(std::size_t(k * width));
       for (int64_t l = 0; l < k; ++l) std::memcpy(&packed[l * width], b + l * n + j0, sizeof(float) * width);
-      const uint16_t* panel_c = c ? c + j0 : nullptr;
-      if (width == 24) product_panel<3>(a, m, k, packed.data(), panel_c, n, beta, alpha, out + j0);
-      if (width == 16) product_panel<2>(a, m, k, packed.data(), panel_c, n, beta, alpha, out + j0);
-      if (width == 8) product_panel<1>(a, m, k, packed.data(), panel_c, n, beta, alpha, out + j0);
+      const uint16_t* panel_c = band_c ? band_c + j0 : nullptr;
+      if (width == 24) product_panel<3>(band, rows, k, packed.data(), panel_c, n, beta, alpha, band_out + j0);
+      if (width == 16) product_panel<2>(band, rows, k, packed.data(), panel_c, n, beta, alpha, band_out + j0);
+      if (width == 8) product_panel<1>(band, rows, k, packed.data(), panel_c, n, beta, alpha, band_out + j0);
     }
+    for (int64_t j = n8; j < n; ++j)  // the last n mod 8 columns, one at a time
+      for (int64_t i = 0; i < rows; ++i)
+        band_out[i * n + j] =
+            finish(column_sum(band + i * k, b + j, k, n), alpha, beta, band_c ? band_c + i * n + j : nullptr);
   });
 }
 #else
