@@ -8,30 +8,15 @@
 #include "simd/isa.h"
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
 namespace hp::optim::reference_gemm {
 
-#if defined(__x86_64__)
-namespace {
-// oneDNN's avx2_vnni_2 (recent Intel cores: AVX2 with AVX-NE-CONVERT,
-// CPUID leaf 7 subleaf 1, EDX bit 5) has a bfloat16 matmul, so torch's
-// bfloat16 GEMM there is oneDNN's, not the reference one.
-bool avx_ne_convert() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (d & (1u << 5)) != 0;
-}
-}  // namespace
-
 bool available() {
-  static const bool yes = simd::cpu_isa() == simd::Isa::avx2 && !avx_ne_convert();
+  static const bool yes = simd::cpu_isa() == simd::Isa::avx2 && !simd::cpu_avx_ne_convert();
   return yes && simd::isa() == simd::Isa::avx2;
 }
-#else
-bool available() { return false; }
-#endif
 
 #if defined(__x86_64__)
 namespace {

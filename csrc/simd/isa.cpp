@@ -3,6 +3,10 @@
 #include <cstdlib>
 #include <string>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace hp::simd {
 
 Isa cpu_isa() {
@@ -10,9 +14,8 @@ Isa cpu_isa() {
   __builtin_cpu_init();
   // Every feature of HP_SIMD_AVX2 / HP_SIMD_AVX512: code built for a tier may
   // use any of them.
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi") &&
-                    __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("pclmul");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+                    __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("pclmul");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (avx512) return Isa::avx512;
@@ -47,6 +50,15 @@ bool avx512_bf16() {
 #if defined(__x86_64__)
   static const bool yes = isa() == Isa::avx512 && __builtin_cpu_supports("avx512bf16");
   return yes;
+#else
+  return false;
+#endif
+}
+
+bool cpu_avx_ne_convert() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;  // CPUID leaf 7 subleaf 1: EDX bit 5
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (d & (1u << 5)) != 0;
 #else
   return false;
 #endif

@@ -35,6 +35,12 @@ bool avx512_bf16();
 // The best tier this CPU runs.
 Isa cpu_isa();
 
+// Whether this CPU has AVX-NE-CONVERT (recent Intel cores). No kernel uses
+// it; with AVX2 it makes oneDNN's avx2_vnni_2 tier, which has a bfloat16
+// matmul, so torch's bfloat16 GEMM there is oneDNN's (optim's reference GEMM
+// kernels must then stand aside).
+bool cpu_avx_ne_convert();
+
 // The policy itself: `best` capped by `cap` (null or empty: no cap). Throws
 // as isa() does for an unknown cap.
 Isa capped(Isa best, const char* cap);

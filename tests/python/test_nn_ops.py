@@ -16,6 +16,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 import hyperparallel.nn as hpnn
+from hyperparallel import _C
 
 # float32 with sums in another order: torch's own float32 tolerance (the
 # weights below make gradients O(10), where 1e-5 alone is below one ulp).
@@ -319,3 +320,14 @@ torch.save([o, kr, n, l, s, i, m], sys.argv[1])
     for isa in ("avx2", "baseline"):
         for got, expected in zip(results[isa], results["avx512"]):
             assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_kernels_loops_run_on_torchs_threads():
+    """at::parallel_for is inline: without OpenMP in hp's build every kernel's loop would run on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert _C.parallel_threads() == n
+    finally:
+        torch.set_num_threads(threads)
