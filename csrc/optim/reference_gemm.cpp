@@ -52,6 +52,10 @@ HP_REF_TARGET inline uint16_t finish(float sum, float alpha, float beta, const u
   return float_to_bf16(sum);
 }
 
+// Elements of k per stretch of a dot block: its 6 rows' stretches (24 KiB)
+// fit L1.
+constexpr int64_t kDotStretch = 1024;
+
 // Within 8 lanes: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
 HP_REF_TARGET inline float lanes(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -67,22 +71,29 @@ HP_REF_TARGET inline float lanes(__m256 v) {
 template <int R, int C>
 HP_REF_TARGET void dot_block(const float* const* a, const float* const* b, int64_t k, float sums[R][C]) {
   const int64_t k64 = k / 64 * 64;
-  alignas(32) float acc[R][C][64];
-  for (int v = 0; v < 8; ++v) {
-    __m256 s[R][C] = {};
-    for (int64_t l = 8 * v; l < k64; l += 64) {
-      __m256 av[R];
+  alignas(32) float acc[R][C][64] = {};
+  // k in stretches of kDotStretch, so that the block's rows stay in L1 over
+  // the 8 passes; each accumulator still adds its chunks in order.
+  for (int64_t from = 0; from < k64; from += kDotStretch) {
+    const int64_t to = std::min(k64, from + kDotStretch);
+    for (int v = 0; v < 8; ++v) {
+      __m256 s[R][C];
       HP_UNROLL
-      for (int i = 0; i < R; ++i) av[i] = _mm256_loadu_ps(a[i] + l);
-      HP_UNROLL
-      for (int j = 0; j < C; ++j) {
-        const __m256 bv = _mm256_loadu_ps(b[j] + l);
+      for (int t = 0; t < R * C; ++t) s[t / C][t % C] = _mm256_load_ps(acc[t / C][t % C] + 8 * v);
+      for (int64_t l = from + 8 * v; l < to; l += 64) {
+        __m256 av[R];
         HP_UNROLL
-        for (int i = 0; i < R; ++i) s[i][j] = _mm256_fmadd_ps(av[i], bv, s[i][j]);
+        for (int i = 0; i < R; ++i) av[i] = _mm256_loadu_ps(a[i] + l);
+        HP_UNROLL
+        for (int j = 0; j < C; ++j) {
+          const __m256 bv = _mm256_loadu_ps(b[j] + l);
+          HP_UNROLL
+          for (int i = 0; i < R; ++i) s[i][j] = _mm256_fmadd_ps(av[i], bv, s[i][j]);
+        }
       }
+      HP_UNROLL
+      for (int t = 0; t < R * C; ++t) _mm256_store_ps(acc[t / C][t % C] + 8 * v, s[t / C][t % C]);
     }
-    HP_UNROLL
-    for (int t = 0; t < R * C; ++t) _mm256_store_ps(acc[t / C][t % C] + 8 * v, s[t / C][t % C]);
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < C; ++j) {
