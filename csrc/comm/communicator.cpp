@@ -294,7 +294,7 @@ Window& Communicator::window_of(const at::Tensor& tensor, const char* what) {
   bool found = it != windows_->begin();
   if (found) {
     --it;
-    found = address < static_cast<const char*>(it->first) + it->second.segment()->size();
+    found = address < static_cast<const char*>(it->first) + it->second.bytes();
   }
   TORCH_CHECK(found, "hyperparallel ", what, ": the tensor is not in shared memory; make it with ",
               "hp.comm.shared_empty / symmetric_empty, or use the copying collective");

@@ -16,21 +16,18 @@ std::size_t align_up(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign *
 
 NodeComm::NodeComm(std::shared_ptr<fabric::Fabric> fabric) : fabric_(std::move(fabric)) {}
 
-Window NodeComm::shared(std::size_t bytes) {
-  Window window;
-  window.slot_bytes_ = align_up(bytes);
-  window.slots_ = 1;
-  window.segment_ = fabric_->allocate(window.slot_bytes_);
-  window.channel_ = fabric_->channel();
-  return window;
-}
+Window NodeComm::shared(std::size_t bytes) { return window(align_up(bytes), 1); }
 
-Window NodeComm::symmetric(std::size_t bytes) {
+Window NodeComm::symmetric(std::size_t bytes) { return window(align_up(bytes), size()); }
+
+// One segment: the slots, then the window's channel (its counters need no
+// segment of their own).
+Window NodeComm::window(std::size_t slot_bytes, int slots) {
   Window window;
-  window.slot_bytes_ = align_up(bytes);
-  window.slots_ = size();
-  window.segment_ = fabric_->allocate(window.slot_bytes_ * window.slots_);
-  window.channel_ = fabric_->channel();
+  window.slot_bytes_ = slot_bytes;
+  window.slots_ = slots;
+  window.segment_ = fabric_->allocate(window.bytes() + fabric_->channel_bytes());
+  window.channel_ = fabric_->channel(window.segment_, window.bytes());
   return window;
 }
 

@@ -224,9 +224,19 @@ int Fabric::global_rank_of(int local) const {
 
 Channel Fabric::channel() {
   // Fresh pages are zero: every counter starts at 0.
-  std::shared_ptr<Segment> memory = allocate(std::size_t(local_world()) * kLine);
-  return Channel(this, static_cast<char*>(memory->data()), memory);
+  return channel(allocate(channel_bytes()), 0);
 }
+
+Channel Fabric::channel(std::shared_ptr<Segment> memory, std::size_t offset) {
+  if (!memory || offset % kLine != 0 || offset + channel_bytes() > memory->size())
+    throw std::invalid_argument("hyperparallel: a channel needs " + std::to_string(channel_bytes()) +
+                                " bytes at a multiple of 64 inside its segment, got offset " + std::to_string(offset) +
+                                " in " + std::to_string(memory ? memory->size() : 0) + " bytes");
+  char* counters = static_cast<char*>(memory->data()) + offset;
+  return Channel(this, counters, std::move(memory));
+}
+
+std::size_t Fabric::channel_bytes() const { return std::size_t(local_world()) * kLine; }
 
 void Fabric::post(const Channel& channel, uint64_t value) {
   check_open();  // a rank that left must not look as if it took part

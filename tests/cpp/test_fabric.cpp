@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <thread>
 
 #include "hyperparallel/fabric/fabric.h"
@@ -92,6 +93,31 @@ TEST(Fabric, DroppedChannelsAreFreed) {
     check(shm_mappings() == before, "every dropped channel's segment was unmapped");
     fabric::Channel kept = fab->channel();
     check(shm_mappings() == before + 1, "a live channel stays mapped");
+  });
+  for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
+  EXPECT_TRUE(leftover_segments().empty());
+}
+
+TEST(Fabric, AChannelCanLiveInASegmentItShares) {
+  auto exits = run_ranks(2, [&](int rank, std::shared_ptr<fabric::Fabric> fab) {
+    // What a window does: its data, then its channel's counters, one segment.
+    std::shared_ptr<fabric::Segment> memory = fab->allocate(4096 + fab->channel_bytes());
+    fabric::Channel channel = fab->channel(memory, 4096);
+    auto* data = static_cast<int*>(memory->data());
+    data[rank] = 10 + rank;
+    channel.post(1);
+    channel.wait_all(1, "test");
+    check(data[1 - rank] == 11 - rank, "the peer's write is seen after its post");
+    memory.reset();  // the channel keeps the segment mapped
+    channel.post(2);
+    channel.wait_all(2, "test");
+    bool refused = false;
+    try {
+      fab->channel(fab->allocate(4096), 4064);  // past the end
+    } catch (const std::invalid_argument&) {
+      refused = true;
+    }
+    check(refused, "a channel that does not fit its segment is refused");
   });
   for (auto& exit : exits) EXPECT_EQ(exit.status, 0) << exit.error;
   EXPECT_TRUE(leftover_segments().empty());

@@ -35,6 +35,8 @@ class Window {
   void* slot(int index) const { return static_cast<char*>(data()) + std::size_t(index) * slot_bytes_; }
   std::size_t slot_bytes() const { return slot_bytes_; }
   int slots() const { return slots_; }
+  // The slots' bytes (the segment holds the window's channel after them).
+  std::size_t bytes() const { return slot_bytes_ * std::size_t(slots_); }
   // The mapping; keeps the memory alive for whoever holds it.
   const std::shared_ptr<fabric::Segment>& segment() const { return segment_; }
 
@@ -124,6 +126,7 @@ class NodeComm {
   // Grows a scratch window (collectively) to hold `bytes` per slot, and
   // acquires it.
   Window& scratch(Window& window, bool per_rank, std::size_t bytes);
+  Window window(std::size_t slot_bytes, int slots);
   float scale_of(ReduceOp op) const { return op == ReduceOp::Avg ? 1.0f / float(size()) : 1.0f; }
 
   std::shared_ptr<fabric::Fabric> fabric_;

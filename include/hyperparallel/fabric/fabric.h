@@ -101,6 +101,14 @@ class Fabric {
   // Collective over local ranks: a fresh channel, in a segment of its own.
   Channel channel();
 
+  // Not collective: a channel whose counters are the channel_bytes() of
+  // `memory` from `offset` (a multiple of 64, zero: a segment of allocate()'s
+  // that every local rank builds the same channel in). It keeps `memory`
+  // alive. A structure that allocates shared memory anyway (a window) gets
+  // its signals so without a second segment.
+  Channel channel(std::shared_ptr<Segment> memory, std::size_t offset);
+  std::size_t channel_bytes() const;
+
   // Collective over local ranks.
   void barrier();
 
