@@ -168,10 +168,8 @@ def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path, capsys):
     summary = json.loads((tmp / "full" / "summary.json").read_text())
     _within(estimate(cfg, 2).total, summary["peak_rss_bytes_per_rank"])
     # 2. A 44M-parameter MoE in bf16 with activation checkpointing and accumulation:
-    #    parameters, gradients and optimizer state are most of the memory. AdamW: Muon's
-    #    bf16 Newton-Schulz runs on torch's bf16 GEMM, which on a CPU without AVX-512
-    #    bf16 takes minutes a step here (as torch.optim.Muon's would); short sequences for
-    #    the same reason (the bf16 forward and backward are ~35x fp32's there).
+    #    parameters, gradients and Muon's state are most of the memory. Short sequences:
+    #    on a CPU without AVX-512 bf16 torch's bf16 forward and backward are ~35x fp32's.
     model = json.loads((REPO / "examples" / "tiny-moe.config.json").read_text())
     model.update(hidden_size=512, num_hidden_layers=6, num_experts=16, moe_intermediate_size=256,
                  num_attention_heads=8, head_dim=64, max_window_layers=6)
@@ -179,7 +177,7 @@ def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path, capsys):
     args = [f"model.config={tmp_path / 'medium.json'}", "model.activation_checkpointing=true",
             "model.mixed_precision=bfloat16",
             "train.micro_batch=2", "train.global_batch=8", "data.seq_len=128", *_short(tmp, "medium")[:2],
-            "train.steps=3", "checkpoint.final=false", "output.plot=false", "optim.name=adamw"]
+            "train.steps=3", "checkpoint.final=false", "output.plot=false"]
     assert main(["train", str(DEFAULT), "--nproc", "2", "--dry-run", *args]) == 0
     plan = capsys.readouterr().out
     assert "2 per rank x 2 micro-batches x 2 ranks" in plan and "activations" in plan and "bfloat16" in plan
