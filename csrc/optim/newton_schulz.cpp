@@ -160,29 +160,29 @@ void reference_rounds_(const at::Tensor& matrix, const NsOptions& options) {
   at::Tensor x = oriented.div(oriented.norm().clamp_min(options.eps)).contiguous();  // m x n
   at::Tensor gram = at::empty({m, m}, x.options()), update = at::empty_like(gram), next = at::empty_like(x);
   at::Tensor wide = at::empty({m, n}, x.options().dtype(at::kFloat)), square = at::empty({m, m}, wide.options());
-  int64_t step = 0;
-  if (tall && options.steps > 0) {
-    // torch multiplies the transposed view here: its gram is Yᵀ Y with Y (the
-    // matrix, n x m) row-major, and H X reads X's columns, Y's rows.
-    at::Tensor rows = x.t().to(at::kFloat).contiguous();  // Y, n x m
-    reference_gemm::gram_sequential(floats(rows), n, m, bits(gram), parallel);
+  for (int64_t step = 0; step < options.steps; ++step) {
+    // A tall matrix's first round: torch multiplies the transposed view, so
+    // its X Xᵀ is Yᵀ Y with Y (the matrix, n x m) row-major, and H X reads
+    // X's columns, Y's rows.
+    const bool transposed = tall && step == 0;
+    at::Tensor rows;  // Y, n x m
+    if (transposed) {
+      rows = x.t().to(at::kFloat).contiguous();
+      reference_gemm::gram_sequential(floats(rows), n, m, bits(gram), parallel);
+    } else {
+      wide.copy_(x);
+      reference_gemm::gram(floats(wide), m, n, bits(gram), parallel);
+    }
     square.copy_(gram);
     reference_gemm::product(floats(square), floats(square), m, m, m, bits(gram), float(options.b), float(options.c),
                             bits(update), parallel);
     square.copy_(update);
-    reference_gemm::dots(floats(square), floats(rows), m, n, m, bits(x), float(options.a), 1.0f, bits(next), parallel);
-    std::swap(x, next);
-    step = 1;
-  }
-  for (; step < options.steps; ++step) {
-    wide.copy_(x);
-    reference_gemm::gram(floats(wide), m, n, bits(gram), parallel);
-    square.copy_(gram);
-    reference_gemm::product(floats(square), floats(square), m, m, m, bits(gram), float(options.b), float(options.c),
-                            bits(update), parallel);
-    square.copy_(update);
-    reference_gemm::product(floats(square), floats(wide), m, m, n, bits(x), float(options.a), 1.0f, bits(next),
-                            parallel);
+    if (transposed)
+      reference_gemm::dots(floats(square), floats(rows), m, n, m, bits(x), float(options.a), 1.0f, bits(next),
+                           parallel);
+    else
+      reference_gemm::product(floats(square), floats(wide), m, m, n, bits(x), float(options.a), 1.0f, bits(next),
+                              parallel);
     std::swap(x, next);
   }
   matrix.copy_(tall ? x.t() : x);

@@ -63,13 +63,22 @@ HP_REF_TARGET inline float lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// The dots order for an R x C block of dot products: rows a[0..R) with rows
-// b[0..C). Each of a dot's 8 accumulator vectors sums only the chunks' lanes
-// 8 v .. 8 v + 7, independently of the others, so the block runs them one v
-// at a time: R + C loads feed R C FMAs, where a dot alone loads twice per FMA.
-// The products are exact, so an FMA adds the same value as an add.
+// Rows and columns per dot block.
+constexpr int64_t kDotBlock = 3;
+
+// The dots order for an R x C block of dot products: rows [i0, i0 + R) of a
+// with rows [j0, j0 + C) of b (both k wide), into sums[0..R)[0..C). Each of a
+// dot's 8 accumulator vectors sums only the chunks' lanes 8 v .. 8 v + 7,
+// independently of the others, so the block runs them one v at a time: R + C
+// loads feed R C FMAs, where a dot alone loads twice per FMA. The products
+// are exact, so an FMA adds the same value as an add.
 template <int R, int C>
-HP_REF_TARGET void dot_block(const float* const* a, const float* const* b, int64_t k, float sums[R][C]) {
+HP_REF_TARGET void dot_block(const float* rows_a, int64_t i0, const float* rows_b, int64_t j0, int64_t k,
+                             float (*sums)[kDotBlock]) {
+  const float* a[R];
+  const float* b[C];
+  for (int i = 0; i < R; ++i) a[i] = rows_a + (i0 + i) * k;
+  for (int j = 0; j < C; ++j) b[j] = rows_b + (j0 + j) * k;
   const int64_t k64 = k / 64 * 64;
   alignas(32) float acc[R][C][64] = {};
   // k in stretches of kDotStretch, so that the block's rows stay in L1 over
@@ -114,33 +123,15 @@ HP_REF_TARGET void dot_block(const float* const* a, const float* const* b, int64
     }
 }
 
-// Rows and columns per dot block.
-constexpr int64_t kDotBlock = 3;
-
-template <int R, int C>
-HP_REF_TARGET void dot_block_at(const float* a, int64_t i0, const float* b, int64_t j0, int64_t k,
-                                float sums[kDotBlock][kDotBlock]) {
-  const float* ra[R];
-  const float* rb[C];
-  for (int i = 0; i < R; ++i) ra[i] = a + (i0 + i) * k;
-  for (int j = 0; j < C; ++j) rb[j] = b + (j0 + j) * k;
-  float block[R][C];
-  dot_block<R, C>(ra, rb, k, block);
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) sums[i][j] = block[i][j];
-}
-
 // sums = a[i0, i0 + r) · b[j0, j0 + c), for r, c in [1, kDotBlock].
 void dots_at(const float* a, int64_t i0, int64_t r, const float* b, int64_t j0, int64_t c, int64_t k,
              float sums[kDotBlock][kDotBlock]) {
-  if (r == 3 && c == 3) return dot_block_at<3, 3>(a, i0, b, j0, k, sums);
+  if (r == 3 && c == 3) return dot_block<3, 3>(a, i0, b, j0, k, sums);
   // Edges: one row at a time, up to three columns.
   for (int64_t i = 0; i < r; ++i) {
-    float row[kDotBlock][kDotBlock];
-    if (c == 3) dot_block_at<1, 3>(a, i0 + i, b, j0, k, row);
-    if (c == 2) dot_block_at<1, 2>(a, i0 + i, b, j0, k, row);
-    if (c == 1) dot_block_at<1, 1>(a, i0 + i, b, j0, k, row);
-    for (int64_t j = 0; j < c; ++j) sums[i][j] = row[0][j];
+    if (c == 3) dot_block<1, 3>(a, i0 + i, b, j0, k, sums + i);
+    if (c == 2) dot_block<1, 2>(a, i0 + i, b, j0, k, sums + i);
+    if (c == 1) dot_block<1, 1>(a, i0 + i, b, j0, k, sums + i);
   }
 }
 
