@@ -149,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         check_config(config)
         check_model(config)
     except ConfigError as error:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one message per node, not one per rank
-            print(f"hyperparallel.integrations.llamafactory: {error}", file=sys.stderr, flush=True)
+        # One message per node, from its local rank 0, which also fails the job. The other ranks
+        # leave quietly with status 0: a failed rank makes torchrun stop the rest, which could
+        # stop local rank 0 before it has said why.
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return 0
+        print(f"hyperparallel.integrations.llamafactory: {error}", file=sys.stderr, flush=True)
         return 2
     train(config, hp_args)
     return 0
