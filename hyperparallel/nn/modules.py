@@ -51,6 +51,7 @@ SILU = ("silu", "swish")
 
 _warned_dtypes: set[frozenset[torch.dtype]] = set()
 _warned_devices: set[tuple[str, str]] = set()
+_warned_autocast: set[torch.dtype] = set()
 
 
 try:
@@ -92,7 +93,8 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
     CUDA as the CUDA kernels land), float32 or bfloat16, and one dtype if ``same_dtype``.
 
     When it does not (an fp16 or float64 model, a GPU op without its CUDA
-    kernel yet), the caller runs HF's forward for that call instead; the first
+    kernel yet, float32 weights under autocast to bfloat16), the caller runs
+    HF's forward for that call instead; the first
     such call for each set of dtypes or device warns. The check reads only
     dtypes and device types, so torch.compile resolves it while tracing.
     """
@@ -107,6 +109,20 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
             )
         return False
     dtypes = frozenset(t.dtype for t in tensors)
+    if torch.is_autocast_enabled(device_type) and dtypes != {torch.get_autocast_dtype(device_type)}:
+        # Autocast casts the inputs of each of HF's ops; the kernels take tensors as they are.
+        # Where every tensor already has autocast's dtype there is nothing to cast: fused.
+        cast = torch.get_autocast_dtype(device_type)
+        if cast not in _warned_autocast and not torch.compiler.is_compiling():
+            _warned_autocast.add(cast)
+            name = str(cast).removeprefix("torch.")
+            warnings.warn(
+                f"hp.nn: under torch.autocast({name}) the fused kernels take {name} weights only; calls with "
+                f"others run HF's modules, with autocast's casts (for fused {name} compute, cast the model with "
+                f".to(torch.{name}) or shard it with hp.MixedPrecisionPolicy(param_dtype=torch.{name}))",
+                stacklevel=3,
+            )
+        return False
     if dtypes <= frozenset(FUSED_DTYPES) and (len(dtypes) == 1 or not same_dtype):
         return True
     if dtypes not in _warned_dtypes and not torch.compiler.is_compiling():
@@ -128,12 +144,14 @@ class FusedLinear(torch.nn.Linear):
     projections and the LM head are almost half of qwen3-moe-bench's forward
     arithmetic, so they run on the same AVX-512 kernel as the fused experts and attention.
     Anything else (bfloat16, whose CPU matmul is already oneDNN's AVX-512 one;
-    a GPU) is ``nn.Linear``'s own forward.
+    a GPU; autocast, which casts the operands) is ``nn.Linear``'s own forward.
     """
 
     def forward(self, input: Tensor) -> Tensor:
         tensors = (input, self.weight) if self.bias is None else (input, self.weight, self.bias)
-        if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        if not torch.is_autocast_enabled("cpu") and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+        ):
             return _ops.linear(input, self.weight, self.bias)
         return super().forward(input)
 
@@ -404,7 +422,9 @@ class Qwen3MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         aux_loss = None
         if output_router_logits:
             router_logits = torch.stack(outputs.router_logits)
-            if _fusable("moe_aux_loss", router_logits):
+            # The LM head's weight stands for the model's dtype: under autocast the logits are
+            # autocast's whatever the weights are, and HF's loss then takes its casts.
+            if _fusable("moe_aux_loss", router_logits, self.lm_head.weight):
                 aux_loss = _ops.moe_aux_loss(router_logits, self.num_experts_per_tok, attention_mask)
             else:
                 aux_loss = qwen3_moe.load_balancing_loss_func(

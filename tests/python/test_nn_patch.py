@@ -469,6 +469,35 @@ def test_other_dtypes_run_hf_modules_with_one_warning(dtype):
     assert torch.equal(tokens, expected)
 
 
+def test_autocast_over_float32_weights_runs_hf_modules_with_one_warning():
+    """Under autocast to bf16, float32 weights are HF's to run: autocast casts each op's inputs (the
+    fused kernels would compute in float32, and attention would meet bf16 projections), so the
+    patched model equals HF's under the same autocast, bit for bit, and warns once. Weights already
+    in the autocast dtype keep the fused kernels: autocast changes nothing there."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    model, fused = build(config, seed=17)
+    for m in (model, fused):
+        m.set_experts_implementation("eager")  # the experts' fallback is HF's reference loop
+    hpnn.modules._warned_autocast.clear()  # earlier tests in this process may have warned already
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(11))
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got, got_grads), _ = (forward_backward(fused, ids, output_router_logits=True) for _ in range(2))
+        ref, ref_grads = forward_backward(model, ids, output_router_logits=True)
+    ours = [str(w.message) for w in caught if "hp.nn" in str(w.message)]
+    assert len(ours) == 1 and "autocast" in ours[0], ours
+    assert got.logits.dtype == ref.logits.dtype == torch.bfloat16
+    assert torch.equal(got.logits, ref.logits)
+    assert torch.equal(got.loss, ref.loss) and torch.equal(got.aux_loss, ref.aux_loss)
+    for name in ref_grads:
+        assert torch.equal(got_grads[name], ref_grads[name]), name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, kernel = _ran_kernel(fused.bfloat16(), ids, "rms_norm")
+    assert kernel
+
+
 def test_set_experts_implementation_routes_to_hf_and_back():
     config = make_config(
         "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
