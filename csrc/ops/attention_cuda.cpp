@@ -25,9 +25,11 @@ namespace hp::ops {
 namespace {
 
 using detail::cuda_dtype;
+using detail::check_same_device;
 using detail::cuda_stream;
 
 void check_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin) {
+  check_same_device({&x, &weight, &cos, &sin}, "norm_rope");
   detail::check_float_or_bf16(x, "norm_rope", "q or k");
   detail::check_same_dtype(x, weight, "norm_rope", "q or k", "its norm's weight");
   const auto d = x.sym_size(-1);

@@ -19,6 +19,7 @@ namespace hp::ops {
 namespace {
 
 using detail::cuda_dtype;
+using detail::check_same_device;
 using detail::cuda_stream;
 
 at::Tensor swiglu(const at::Tensor& gu_in) {
@@ -40,13 +41,6 @@ at::Tensor gather_sum(const at::Tensor& rows, const at::Tensor& positions, const
                    w.defined() ? cuda_dtype(w) : cuda::DType::F32, w.defined() ? w.const_data_ptr() : nullptr, tokens,
                    k, hidden, out.mutable_data_ptr(), cuda_stream(src));
   return out;
-}
-
-void check_same_device(std::initializer_list<const at::Tensor*> tensors, const char* op) {
-  const auto device = (*tensors.begin())->device();
-  for (const at::Tensor* t : tensors)
-    TORCH_CHECK(!t->defined() || t->device() == device, "hyperparallel::", op, ": its tensors are on ", device,
-                " and ", t->device(), "; move the module to its input's device");
 }
 
 // ---------------------------------------------------------------------------
@@ -231,10 +225,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_backward_cuda
                         dgu.mutable_data_ptr(), a_w.mutable_data_ptr(), row_dot.mutable_data_ptr<float>(), N, I,
                         cuda_stream(gu));
   // The weights' gradients group the sums by expert (torch._grouped_mm's
-  // 2-D x 2-D form: an expert without rows gets zeros).
-  at::Tensor d_down = at::_grouped_mm(g_rows.t(), a_w, ends);
+  // 2-D x 2-D form). An expert without rows sums nothing: zeroed here, as not
+  // every architecture's kernel writes an empty group (no host sync).
+  const int64_t E = gate_up.size(0);
+  const at::Tensor idle = offsets.narrow(0, 1, E).eq(offsets.narrow(0, 0, E)).view({E, 1, 1});
+  at::Tensor d_down = at::_grouped_mm(g_rows.t(), a_w, ends).masked_fill_(idle, 0);
   const at::Tensor rows = input.index_select(0, token);
-  at::Tensor d_gate_up = at::_grouped_mm(dgu.t(), rows, ends);
+  at::Tensor d_gate_up = at::_grouped_mm(dgu.t(), rows, ends).masked_fill_(idle, 0);
   const at::Tensor dx_rows = at::_grouped_mm(dgu, gate_up, ends);
   at::Tensor dx = gather_sum(dx_rows, positions, at::Tensor(), T, K);
   at::Tensor d_weights = row_dot.index_select(0, positions).view(weights.sizes()).to(weights.scalar_type());

@@ -82,6 +82,17 @@ def test_every_fused_op_has_its_cuda_kernel():
     assert all("cuda" in devices for devices in _DEVICE_KERNELS.values()), _DEVICE_KERNELS
 
 
+def test_a_tensor_on_another_device_is_refused():
+    """A weight or cos/sin left on the host would be read through a host pointer by the kernel (an
+    illegal address that poisons the CUDA context): the op refuses it first."""
+    x = torch.randn(1, 3, 2, 8, device=DEVICE)
+    weight, cos, sin = torch.ones(8, device=DEVICE), torch.ones(1, 3, 8, device=DEVICE), torch.zeros(1, 3, 8, device=DEVICE)
+    for args in ((weight.cpu(), cos, sin), (weight, cos.cpu(), sin), (weight, cos, sin.cpu())):
+        with pytest.raises(RuntimeError, match="norm_rope: its tensors are on"):
+            torch.ops.hyperparallel.norm_rope(x, *args, 1e-6)
+    torch.cuda.synchronize()  # the context is still sound
+
+
 def _norm_rope64(x, weight, cos, sin, eps):
     """HF's q/k RMSNorm then rotate-half RoPE in float64 (differentiable), to (b, h, s, d)."""
     y = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -93,11 +104,11 @@ def _norm_rope64(x, weight, cos, sin, eps):
 @pytest.mark.parametrize("cos_batch", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_against_float64(dtype, cos_batch):
-    """Enough rows (2 x 700 x 8) that the weight's gradient is summed by several uneven blocks,
+    """Enough rows (2 x 701 x 8) that the weight's gradient is summed by several blocks, the last short,
     and cos/sin per batch as well as shared; forward and both gradients against float64 autograd
     on the same (dtype-rounded) inputs."""
     generator = torch.Generator().manual_seed(9)
-    b, s, h, d = 2, 700, 8, 128
+    b, s, h, d = 2, 701, 8, 128
     x = torch.randn(b, s, h, d, generator=generator).to(dtype)
     weight = (1 + 0.1 * torch.randn(d, generator=generator)).to(dtype)
     angles = torch.rand(cos_batch, s, d // 2, generator=generator) * 6.3
@@ -164,9 +175,10 @@ def test_patched_models_match_hf_on_cuda(name):
         )
 
 
-def test_attention_with_a_padding_mask_matches_hf():
-    """A left-padded batch: the mask reaches SDPA on top of causality; the padded rows are the
-    model's business, the real ones must match HF's."""
+def test_a_padded_batch_matches_hf():
+    """A left-padded batch: the mask reaches SDPA on top of causality, and the load-balancing loss
+    leaves the padded tokens out (its masked kernel). The padded rows' logits are the model's
+    business; the real ones, the losses (padding labelled -100) and every gradient must match HF's."""
     values = dict(MOE_CONFIGS["h4-kv2-d16-e8-k2-norm"])
     values.pop("seq")
     hf, _ = build(make_config("moe", **values), seed=5, patch=False)
@@ -176,9 +188,17 @@ def test_attention_with_a_padding_mask_matches_hf():
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
-    logits = [m(input_ids=ids, attention_mask=mask).logits for m in (hf, ours)]
     keep = mask.bool()
-    assert _rel(logits[1][keep], logits[0][keep]) <= 1e-5
+    labels = ids.masked_fill(~keep, -100)
+    results = []
+    for model in (hf, ours):
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results.append([("logits", out.logits[keep]), ("loss", out.loss), ("aux_loss", out.aux_loss), *grads.items()])
+    for (what, expected), (_, got) in zip(*results):
+        assert _rel(got, expected) <= 1e-5, f"{what}: {_rel(got, expected):.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
