@@ -37,6 +37,7 @@ std::atomic<uint64_t> peer_bytes_read{0};
 
 uint64_t muon_peer_bytes() { return peer_bytes_read.load(); }
 void reset_muon_peer_bytes() { peer_bytes_read = 0; }
+void plan::add_peer_bytes(uint64_t bytes) { peer_bytes_read.fetch_add(bytes, std::memory_order_relaxed); }
 
 void register_muon_factory(c10::DeviceType type, MuonFactory factory) { muon_factories()[type] = factory; }
 
@@ -404,7 +405,7 @@ void Muon::step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
         rows.add_(slot, alpha);
     }
   }
-  peer_bytes_read.fetch_add(uint64_t(peer_bytes_), std::memory_order_relaxed);
+  plan::add_peer_bytes(uint64_t(peer_bytes_));
 }
 
 std::vector<std::pair<int64_t, int64_t>> Muon::owned() const {

@@ -94,6 +94,7 @@ class DeviceMuon : public MuonPlan {
   std::vector<std::vector<int64_t>> matrices_of_;  // per parameter
   Assignment assignment_;
   int64_t rows_section_ = 0;  // byte offset of the rows section, the same on every rank
+  int64_t peer_bytes_ = 0;    // pulled from peers each step (muon_peer_bytes)
   std::shared_ptr<fabric::PeerMemory> buffer_;
   at::Tensor bytes_;  // this rank's buffer as bytes
   std::unique_ptr<fabric::DeviceSignal> written_, read_;
@@ -248,6 +249,7 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
       auto [begin, count] = shard_rows(matrix, g);
       if (count == 0 || g == matrix.owner) continue;
       const int64_t bytes = count * pool.cols * 2;
+      if (matrix.owner == rank_ || g == rank_) peer_bytes_ += bytes;
       if (matrix.owner == rank_)
         gather_.add(static_cast<char*>(buffer_->local()) + owned_at(matrix, begin),
                     static_cast<const char*>(buffer_->peer(g)) + matrix.rows_at[g], bytes);
@@ -366,13 +368,22 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
   if (read_ && read_->posted() > 0) read_->wait_all(read_->posted(), stream, "hp.optim.Muon (peers finishing the last step)");
 
   // torch.optim.Muon's momentum on this rank's rows; the update's rows, in
-  // bfloat16, where their owner will read them.
+  // bfloat16, where their owner will read them. The nesterov update is
+  // computed in float32 and rounded as it is stored: lerp then copy's bits,
+  // without the float32 update in between.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     momentum[i].lerp_(grads[i], 1.0 - o.momentum);
-    at::Tensor update = o.nesterov ? at::lerp(grads[i], momentum[i], o.momentum) : momentum[i];
-    for (const Run& run : runs_[i])
-      run.rows.copy_(params_[i].shape.size() == 2 ? update : update.narrow(0, run.first, run.rows.size(0)));
+    for (const Run& run : runs_[i]) {
+      auto rows_of = [&](const at::Tensor& t) {
+        return params_[i].shape.size() == 2 ? t : t.narrow(0, run.first, run.rows.size(0));
+      };
+      at::Tensor rows = run.rows;
+      if (o.nesterov)
+        at::lerp_out(rows, rows_of(grads[i]), rows_of(momentum[i]), o.momentum);
+      else
+        rows.copy_(rows_of(momentum[i]));
+    }
   }
   if (written_) {
     const uint64_t round = written_->post(stream);
@@ -390,6 +401,7 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
     solved_[p]->wait_all(round, results, "hp.optim.Muon (waiting for owners' results)");
     scatter_[p].run(results);
   }
+  plan::add_peer_bytes(uint64_t(peer_bytes_));
   if (read_) {
     read_->post(results);
     results_pulled_.record(results);

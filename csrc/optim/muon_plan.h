@@ -1,5 +1,6 @@
 // What Muon's CPU and device plans compute alike: which rows of a matrix a
-// shard holds, a matrix's Newton–Schulz cost, torch's learning-rate scaling.
+// shard holds, a matrix's Newton–Schulz cost, torch's learning-rate scaling;
+// the peer-bytes counter they share.
 #pragma once
 
 #include <algorithm>
@@ -34,6 +35,10 @@ inline std::pair<int64_t, int64_t> held_rows(const std::vector<int64_t>& shape, 
   const comm::Range rows = comm::chunk(shape[0], int(shards), int(shard));
   return {int64_t(rows.begin), int64_t(rows.size())};
 }
+
+// Adds a step's bytes of rows read from the node's other ranks to
+// muon_peer_bytes() (muon.h); both plans count theirs.
+void add_peer_bytes(uint64_t bytes);
 
 // Newton–Schulz's cost of a rows x cols matrix, for balancing owners.
 inline int64_t ns_cost(int64_t rows, int64_t cols) { return rows * cols * std::min(rows, cols); }

@@ -129,10 +129,10 @@ void torch_rounds_(const at::Tensor& matrix, const NsOptions& options) {
   matrix.copy_(tall ? x.t() : x);
 }
 
-// On a GPU: torch's rounds for the whole batch at once, each product one
+// On a GPU: torch's rounds for a group of matrices at once, each product one
 // batched cuBLAS call (bmm, baddbmm with torch's alpha and beta), and every
 // matrix's Frobenius norm in one reduction.
-void newton_schulz_device_(const at::Tensor& batch, const NsOptions& options) {
+void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
   const bool tall = batch.size(1) > batch.size(2);
   at::Tensor wide = tall ? batch.transpose(1, 2) : batch;
   at::Tensor norms = at::linalg_vector_norm(wide, 2, at::IntArrayRef{1, 2}, /*keepdim=*/true).clamp_min(options.eps);
@@ -140,9 +140,29 @@ void newton_schulz_device_(const at::Tensor& batch, const NsOptions& options) {
   for (int64_t step = 0; step < options.steps; ++step) {
     at::Tensor gram = at::bmm(x, x.transpose(1, 2));
     at::Tensor update = at::baddbmm(gram, gram, gram, options.b, options.c);
+    // A wide batch's last round lands in the batch itself: no copy after.
+    if (!tall && step == options.steps - 1) {
+      at::Tensor out = batch;
+      at::baddbmm_out(out, x, update, x, options.a, 1.0);
+      return;
+    }
     x = at::baddbmm(x, update, x, options.a, 1.0);
   }
   batch.copy_(tall ? x.transpose(1, 2) : x);
+}
+
+// The rounds' temporaries (x, the next x, the Gram matrix and its update)
+// for a pool of experts at once would be several GiB beside the model: groups
+// of about this many bytes keep each product a large batched call.
+constexpr int64_t kDeviceGroupBytes = int64_t(512) << 20;
+
+void newton_schulz_device_(const at::Tensor& batch, const NsOptions& options) {
+  const int64_t count = batch.size(0);
+  const int64_t m = std::min(batch.size(1), batch.size(2)), n = std::max(batch.size(1), batch.size(2));
+  const int64_t per_matrix = int64_t(sizeof(uint16_t)) * (2 * m * n + 2 * m * m);
+  const int64_t group = std::clamp<int64_t>(kDeviceGroupBytes / std::max<int64_t>(per_matrix, 1), 1, count);
+  for (int64_t first = 0; first < count; first += group)
+    device_rounds_(batch.narrow(0, first, std::min(group, count - first)), options);
 }
 
 // torch_rounds_' results from reference_gemm's kernels (see

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_muon_distributed import peer_bytes_per_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -75,6 +76,7 @@ def sharded_muon(steps: int) -> tuple:
     model = nn.ParameterList(_params(0, device))
     hp.fully_shard(model, mesh=mesh)
     optimizer = hpo.Muon(list(model.parameters()), lr=2e-3, adjust_lr_fn="match_rms_adamw")
+    hpo.reset_stats()
     for step in range(steps):
         for p, g in zip(model.parameters(), _grads(step, device)):
             local = torch.chunk(g, world)[rank]
@@ -83,9 +85,9 @@ def sharded_muon(steps: int) -> tuple:
     locals_ = [p.to_local().detach().cpu() for p in model.parameters()]
     owned = optimizer.owned()
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (locals_, owned))
+    dist.all_gather_object(everyone, (locals_, owned, hpo.stats()["muon_peer_bytes"]))
     full = [torch.cat([parts[0][i] for parts in everyone]) for i in range(len(SHAPES))]
-    return full, [o for _, owned_by in everyone for o in owned_by]
+    return full, {rank: {"owned": owned_by, "peer_bytes": moved} for rank, (_, owned_by, moved) in enumerate(everyone)}
 
 
 def test_two_ranks_sharing_the_gpu_equal_one_process():
@@ -98,9 +100,13 @@ def test_two_ranks_sharing_the_gpu_equal_one_process():
         for p, g in zip(ours, _grads(step, device)):
             p.grad = g
         optimizer.step()
-    full, owned = results[0]
+    full, ranks = results[0]
+    owned = [o for r in ranks.values() for o in r["owned"]]
     matrices = sum(shape[0] if len(shape) == 3 else 1 for shape in SHAPES)
     assert sorted(owned) == sorted(set(owned)) and len(owned) == matrices  # each matrix exactly once
+    # What the ranks pulled from each other: the rows owners lacked and the results' rows, no more.
+    moved = sum(r["peer_bytes"] for r in ranks.values())
+    assert moved == 10 * peer_bytes_per_step(ranks, 2, [torch.Size(s) for s in SHAPES]) > 0
     worst = max((got - p.detach().cpu()).abs().max().item() for got, p in zip(full, ours))
     change = max((p.detach().cpu() - q).abs().max().item() for p, q in zip(ours, initial))
     print(f"hp.optim.Muon, 2 ranks sharing the GPU vs 1 process, 10 steps: max |param diff| {worst:.3g} "

@@ -165,12 +165,13 @@ def _shard_rows(size: int, world: int, rank: int) -> list[int]:
     return chunks[rank].tolist() if rank < len(chunks) else []
 
 
-def _peer_bytes_per_step(results: dict, world: int) -> int:
+def peer_bytes_per_step(results: dict, world: int, shapes: list | None = None) -> int:
     """What Muon's rows cost in a step, within one node: an owner reads the rows of its matrices that
     other ranks hold, and those ranks read their rows of the result (bf16: 2 bytes an element).
     Shard(0) splits a 2-D matrix's rows and a 3-D stack's experts; an expert is usually
-    orthogonalised where it lives, but balance may send it elsewhere."""
-    shapes = [p.shape for p in Tiny().parameters()]
+    orthogonalised where it lives, but balance may send it elsewhere. ``shapes``: the parameters'
+    (Tiny's by default); ``results[rank]["owned"]``: that rank's ``opt.owned()``."""
+    shapes = shapes or [p.shape for p in Tiny().parameters()]
     total = 0
     for owner, result in results.items():
         for param, expert in result["owned"]:
@@ -188,7 +189,7 @@ def test_fsdp_equals_one_process(shard_fn, nproc):
     results = run(sharded_muon_matches_one_process, nproc=nproc, args=(shard_fn, (nproc,)))
     _check(results, nproc)
     moved = sum(r["ns"]["muon_peer_bytes"] for r in results.values())
-    assert moved == STEPS * _peer_bytes_per_step(results, nproc) > 0
+    assert moved == STEPS * peer_bytes_per_step(results, nproc) > 0
 
 
 @pytest.mark.parametrize("shard_fn", sorted(SHARD_FNS))

@@ -90,11 +90,11 @@ class MuonPlan {
                                           c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device);
 };
 
-// Counted by every CPU Muon step of this process: bytes of bf16 rows read
-// from the node's other ranks' memory, which is all that Muon moves within a
-// node (an owner reads the rows of its matrices that other ranks hold; a
-// holder reads its rows of the results other ranks computed). What a benchmark
-// sets beside the bytes a c10d Muon sends and receives.
+// Counted by every Muon step of this process, CPU and device: bytes of bf16
+// rows read from the node's other ranks' memory, which is all that Muon moves
+// within a node (an owner reads the rows of its matrices that other ranks
+// hold; a holder reads its rows of the results other ranks computed). What a
+// benchmark sets beside the bytes a c10d Muon sends and receives.
 uint64_t muon_peer_bytes();
 void reset_muon_peer_bytes();
 
