@@ -6,8 +6,8 @@
 #
 #   bash scripts/gpu_check.sh                 # everything, about 9 minutes on an H200 (build 2, tests 4, benches 3);
 #                                             # the limits below add up to more than one 10-minute device call, so
-#                                             # there run STEPS="probe build test" and then STEPS="bench", with a
-#                                             # prebuilt _C (HP_PREBUILT, rebuilt after any change to csrc/)
+#                                             # there run STEPS="probe build test" and then STEPS="headline comm",
+#                                             # with a prebuilt _C (HP_PREBUILT, rebuilt after any change to csrc/)
 #   STEPS="build test" bash scripts/gpu_check.sh
 #   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
 #                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"probe build test bench"}
+STEPS=${STEPS:-"probe build test headline comm"}
 # The newest first: what has not yet run on a GPU comes before what has.
 GPU_TESTS=${GPU_TESTS:-"tests/python/test_gpu_optim.py tests/python/test_gpu_nn.py tests/python/test_gpu_fsdp.py tests/python/test_gpu_comm.py"}
 PYTHON=${PYTHON:-python3}
@@ -79,28 +79,26 @@ build() {
 
 tests() {
   # A hung test fails alone (pytest-timeout, where installed) instead of taking the step's time.
-  local per_test=()
+  local per_test=() status=0 file
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=100)
-  "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 "${per_test[@]}" \
-    $GPU_TESTS
-  local status=$?
+  # A process per file: a kernel's fault poisons its process's CUDA context, not the other files'.
+  # Kernels launch synchronously in test_gpu_nn, so a fault names the kernel that made it.
+  for file in $GPU_TESTS; do
+    echo "-- $file"
+    [[ $file == *test_gpu_nn.py ]] && export CUDA_LAUNCH_BLOCKING=1 || unset CUDA_LAUNCH_BLOCKING
+    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=8 "${per_test[@]}" "$file" || status=1
+  done
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv  # what the tests left on the GPU
   return $status
 }
 
-bench() {
-  local status=0
-  "$PYTHON" bench/gpu_headline.py || status=1
-  "$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json" || status=1
-  return $status
-}
-
 export PYTHON OUT HP_PREBUILT GPU_TESTS
-export -f probe build tests bench
+export -f probe build tests
 step probe 30 probe
 step build 200 build
-step test 270 tests
-step bench 240 bench
+step test 300 tests
+step headline 330 '"$PYTHON" bench/gpu_headline.py'
+step comm 150 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
 
 if ((${#failed[@]})); then
   echo "gpu_check: failed steps: ${failed[*]} (logs in $OUT)"
