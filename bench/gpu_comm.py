@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 import torch
@@ -124,15 +125,20 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
 
     gemms(3)
     torch.cuda.synchronize()
+    # Enough all-gathers to span the ten GEMMs half again (a fixed count left part of them bare,
+    # which hid part of the slowdown); rank 0 times both and decides for every rank.
+    ag_ms = cuda_event_ms(lambda: hp.comm.all_gather_into_tensor(gathered, piece), repeats=3, warmup=1, barrier=True)
+    spans = [math.ceil(1.5 * 10 * timed_gemms() / ag_ms) if rank == 0 else None]
+    dist.broadcast_object_list(spans, src=0)
     alone, beside = [], []
     for _ in range(max(3, repeats // 3)):
         dist.barrier()
         if rank == 0:
             alone.append(timed_gemms())
         dist.barrier()
-        # Enough all-gathers on a side stream to span the GEMMs on the default stream.
+        # All-gathers on a side stream, beside the GEMMs on the default stream.
         with torch.cuda.stream(side):
-            for _ in range(40):
+            for _ in range(spans[0]):
                 hp.comm.all_gather_into_tensor(gathered, piece)
         if rank == 0:
             beside.append(timed_gemms())
@@ -140,7 +146,7 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
     torch.cuda.synchronize()
     dist.barrier()
     return {"rows": results, "gemm_alone_ms": statistics.median(alone) if alone else None,
-            "gemm_beside_ms": statistics.median(beside) if beside else None,
+            "gemm_beside_ms": statistics.median(beside) if beside else None, "all_gathers_beside": spans[0],
             "skipped": skipped, "gpu": torch.cuda.get_device_name(device),
             "gpus": torch.cuda.device_count(), "world": world}
 
@@ -174,7 +180,7 @@ def _report(result: dict) -> None:
     if result["gemm_alone_ms"]:
         slow = result["gemm_beside_ms"] / result["gemm_alone_ms"] - 1
         print(f"8192^3 bf16 GEMM: {result['gemm_alone_ms']:.3f} ms alone, {result['gemm_beside_ms']:.3f} ms beside "
-              f"all-gathers of 256 MiB on the copy engines: {100 * slow:+.1f}% ({label})")
+              f"{result['all_gathers_beside']} all-gathers of 256 MiB on the copy engines: {100 * slow:+.1f}% ({label})")
     for line in result["skipped"]:
         print("skipped:", line)
 
