@@ -169,8 +169,13 @@ class Muon(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(f"hp.optim.Muon: parameters on several devices {sorted(map(str, devices))}; "
                              "use one optimizer per device")
+        device = next(iter(devices))
         self._plan = None  # frees the old plan's buffers first
-        self._plan = _C.Muon(specs, comm, mesh, counterparts, next(iter(devices)))
+        if device.type == "cuda":
+            # The plan's peer-mapped buffer is allocated outside torch's caching allocator, after
+            # forward and backward have filled its cache: give the cache's free blocks back first.
+            torch.cuda.empty_cache()
+        self._plan = _C.Muon(specs, comm, mesh, counterparts, device)
         self._plan_key, self._plan_params = key, params
         return self._plan
 
