@@ -109,7 +109,10 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
             )
         return False
     dtypes = frozenset(t.dtype for t in tensors)
-    if torch.is_autocast_enabled(device_type) and dtypes != {torch.get_autocast_dtype(device_type)}:
+    # (Meta tensors have no autocast: torch raises for the device type.)
+    if device_type != "meta" and torch.is_autocast_enabled(device_type) and dtypes != {
+        torch.get_autocast_dtype(device_type)
+    }:
         # Autocast casts the inputs of each of HF's ops; the kernels take tensors as they are.
         # Where every tensor already has autocast's dtype there is nothing to cast: fused.
         cast = torch.get_autocast_dtype(device_type)

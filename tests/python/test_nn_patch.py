@@ -498,6 +498,22 @@ def test_autocast_over_float32_weights_runs_hf_modules_with_one_warning():
     assert kernel
 
 
+def test_a_patched_model_runs_on_the_meta_device():
+    """Shapes only (planning memory, tracing): forward and backward on meta tensors, which have no
+    autocast state to ask about, give HF's shapes."""
+    config = make_config(
+        "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    hpnn.patch(model)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    assert out.logits.shape == (2, 8, 128) and out.logits.device.type == "meta"
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
 def test_set_experts_implementation_routes_to_hf_and_back():
     config = make_config(
         "moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2
