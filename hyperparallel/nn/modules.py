@@ -88,6 +88,14 @@ def _has_kernel(op: str, device_type: str) -> bool:
     return device_type in ("cpu", "meta") or device_type in _DEVICE_KERNELS[op]
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on this device type, None where it is off (meta tensors have
+    no autocast state: torch raises when asked)."""
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
     """Whether the kernel ``op`` takes these tensors: on a device it has a kernel for (the CPU;
     CUDA as the CUDA kernels land), float32 or bfloat16, and one dtype if ``same_dtype``.
@@ -96,7 +104,8 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
     kernel yet, float32 weights under autocast to bfloat16), the caller runs
     HF's forward for that call instead; the first
     such call for each set of dtypes or device warns. The check reads only
-    dtypes and device types, so torch.compile resolves it while tracing.
+    dtypes, device types and autocast's state, so torch.compile resolves it
+    while tracing.
     """
     device_type = tensors[0].device.type
     if not _has_kernel(op, device_type):
@@ -109,13 +118,10 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
             )
         return False
     dtypes = frozenset(t.dtype for t in tensors)
-    # (Meta tensors have no autocast: torch raises for the device type.)
-    if device_type != "meta" and torch.is_autocast_enabled(device_type) and dtypes != {
-        torch.get_autocast_dtype(device_type)
-    }:
-        # Autocast casts the inputs of each of HF's ops; the kernels take tensors as they are.
-        # Where every tensor already has autocast's dtype there is nothing to cast: fused.
-        cast = torch.get_autocast_dtype(device_type)
+    # Autocast casts the inputs of each of HF's ops; the kernels take tensors as they are. Where
+    # every tensor already has autocast's dtype there is nothing to cast: fused.
+    cast = _autocast_dtype(device_type)
+    if cast is not None and dtypes != {cast}:
         if cast not in _warned_autocast and not torch.compiler.is_compiling():
             _warned_autocast.add(cast)
             name = str(cast).removeprefix("torch.")
