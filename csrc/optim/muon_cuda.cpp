@@ -17,12 +17,18 @@
 // never waits on the GPU.
 //
 // Parameters that are not sharded are orthogonalised by the process that
-// holds them, batched per shape. Sharded parameters must be hp.fully_shard's
-// (each node holds every shard); a mesh whose shards span nodes, and HSDP's
-// cross-node delivery of results, are refused for now with a message.
+// holds them, batched per shape. Sharded parameters must be sharded within a
+// node (hp.fully_shard's layout): on one node, or replicated across nodes
+// (HSDP). There every node holds every shard and, after HSDP's all-reduce,
+// the same gradients, so each matrix is orthogonalised on one node only and
+// needs no rows from the others: its results go to the counterparts (the
+// same local rank) on the other nodes over c10d (NCCL), a pool at a time,
+// while the next pool is orthogonalised. A mesh whose shards span nodes is
+// refused with a message.
 // This file reaches CUDA only through c10's device interfaces and the
 // torch-free device layer; it is linked where torch has CUDA.
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
@@ -30,6 +36,7 @@
 #include <cmath>
 #include <map>
 
+#include "hyperparallel/comm/c10d.h"
 #include "hyperparallel/comm/communicator.h"
 #include "hyperparallel/fabric/device.h"
 #include "hyperparallel/optim/muon.h"
@@ -40,6 +47,11 @@ namespace {
 
 constexpr int64_t kAlign = 256;  // sections and pools start where cudaMalloc's own alignment would
 
+// Across nodes, a pool's results travel in rounds whose staging (this rank's
+// rows, sent to every other node, and what it receives) stays about this
+// size, beside a pool of experts that may be tens of GiB.
+constexpr int64_t kExchangeBytes = int64_t(512) << 20;
+
 int64_t align_up(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 fabric::StreamHandle current_stream(c10::Device device) {
@@ -49,7 +61,8 @@ fabric::StreamHandle current_stream(c10::Device device) {
 
 class DeviceMuon : public MuonPlan {
  public:
-  DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh, c10::Device device);
+  DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
+             c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device);
   // Waits until every peer has finished reading this rank's buffer: a plan
   // rebuilt in its place may get the same addresses back.
   ~DeviceMuon() override;
@@ -71,10 +84,28 @@ class DeviceMuon : public MuonPlan {
   struct Matrix {
     int64_t param = 0, expert = 0;
     int pool = 0;
-    int owner = 0;
+    int owner = 0;                    // global rank
     int64_t index = 0;                // among its owner's matrices of the pool
-    std::vector<int64_t> rows_at;     // per rank: byte offset of its rows in its rows section (-1: none there)
+    std::vector<int64_t> rows_at;     // per local rank: byte offset of its rows in its rows section (-1: none)
   };
+  // One round of a pool's results between nodes: this rank's rows of its
+  // node's results go to each other node's counterpart, whose rows of its
+  // node's results come back, in matrix order on both sides.
+  struct Exchange {
+    fabric::CopyBatch pack;    // this rank's rows of its node's results into the send staging, once per other node
+    fabric::CopyBatch unpack;  // the other nodes' results from the receive staging into the rows section
+    std::vector<int64_t> send_sizes, recv_sizes;  // bytes, per node (the counterparts' group is in node order)
+  };
+
+  int me() const { return node_ * ranks_ + rank_; }
+  // The node whose rank `local` orthogonalises `matrix`, of those that hold
+  // it whole: an expert stack's experts in contiguous runs per node, so that
+  // a shard's experts stay few runs of rows.
+  int home_node(const Matrix& matrix, int local) const;
+  void plan_exchanges();
+  // Sends this rank's rows of pool `p`'s results to the other nodes and
+  // receives its rows of theirs, on the results stream.
+  void exchange(std::size_t p);
 
   // Rows [begin, begin + count) of `matrix` that shard `shard` holds.
   std::pair<int64_t, int64_t> shard_rows(const Matrix& matrix, int64_t shard) const;
@@ -86,8 +117,10 @@ class DeviceMuon : public MuonPlan {
 
   std::vector<ParamSpec> params_;
   comm::Communicator* comm_ = nullptr;
+  c10::intrusive_ptr<c10d::ProcessGroup> counterparts_;
   c10::Device device_;
-  int rank_ = 0, ranks_ = 1;
+  int rank_ = 0, ranks_ = 1;  // within the node
+  int node_ = 0, nodes_ = 1;
   int64_t shards_ = 1;
   std::vector<Pool> pools_;
   std::vector<Matrix> matrices_;
@@ -110,11 +143,15 @@ class DeviceMuon : public MuonPlan {
   std::vector<std::vector<Run>> runs_;  // per parameter
   c10::Stream results_stream_;          // the results' pulls, beside the next pool's Newton-Schulz
   fabric::DeviceEvent results_pulled_;
+  std::vector<std::vector<Exchange>> exchanges_;  // per pool, its rounds (several nodes only)
+  at::Tensor send_, recv_;                        // the rounds' staging
 };
 
-DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh, c10::Device device)
+DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
+                       c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device)
     : params_(std::move(params)),
       comm_(comm),
+      counterparts_(std::move(counterparts)),
       device_(device),
       results_stream_(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, false)),
       results_pulled_(device.index()) {
@@ -129,15 +166,21 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
   if (any_sharded) {
     TORCH_CHECK(comm_, "hp.optim.Muon: sharded (DTensor) parameters need the fabric; call hp.comm.init() first");
     const fabric::Topology& topology = comm_->topology();
-    TORCH_CHECK(topology.num_nodes == 1,
-                "hp.optim.Muon on CUDA: the job spans ", topology.num_nodes, " nodes; on GPUs hp.optim.Muon "
-                "runs within one node for now (HSDP across nodes: use one Muon per node's replica, or the CPU)");
     rank_ = topology.local_rank;
     ranks_ = topology.local_world_size;
-    TORCH_CHECK(int(mesh.shard.size()) == ranks_, "hp.optim.Muon: the parameters' mesh must hold every rank");
-    for (int g = 0; g < ranks_; ++g)
-      TORCH_CHECK(mesh.shard[g] == g, "hp.optim.Muon on CUDA: expected the shard dimension in rank order (FSDP's "
-                  "1-D mesh over one node)");
+    node_ = topology.node;
+    nodes_ = topology.num_nodes;
+    const int world = topology.world_size;
+    TORCH_CHECK(int(mesh.shard.size()) == world && int(mesh.replica.size()) == world,
+                "hp.optim.Muon: the parameters' device mesh must hold every rank of the job (", world,
+                " ranks), but it holds ", mesh.shard.size(), "; shard them over a mesh of all ranks");
+    bool within_nodes = topology.rank == me();
+    for (int g = 0; g < world; ++g) within_nodes &= mesh.shard[g] == g % ranks_ && mesh.replica[g] == g / ranks_;
+    TORCH_CHECK(within_nodes, "hp.optim.Muon on CUDA: expected the parameters sharded within each node in rank ",
+                "order and replicated across nodes (hp.fully_shard on a 1-D mesh over one node, or HSDP's ",
+                "(nodes, ranks per node) mesh); a mesh whose shards span nodes runs on the CPU plan only");
+    TORCH_CHECK(nodes_ == 1 || counterparts_, "hp.optim.Muon: a job over ", nodes_, " nodes needs each rank's c10d ",
+                "group of counterparts (hp.comm.init makes it)");
     shards_ = ranks_;
   }
 
@@ -161,12 +204,13 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     }
     for (int64_t e = 0; e < experts; ++e) {
       matrices_of_[i].push_back(int64_t(matrices_.size()));
-      matrices_.push_back(Matrix{int64_t(i), e, pool, rank_, 0, {}});
+      matrices_.push_back(Matrix{int64_t(i), e, pool, me(), 0, {}});
     }
   }
 
-  // Owners: cost-balanced over the node; a rank that holds a matrix whole
-  // (an expert of its shard) is its home. Private matrices stay here.
+  // Owners: cost-balanced over the job; a rank that holds a matrix whole
+  // (an expert of its shard) is its home, on the node home_node picks.
+  // Private matrices stay here.
   std::vector<int64_t> costs;
   std::vector<std::vector<int>> homes;
   std::vector<std::size_t> sharded;
@@ -177,38 +221,41 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     costs.push_back(plan::ns_cost(pool.rows, pool.cols));
     std::vector<int> home;
     for (int g = 0; g < ranks_; ++g)
-      if (shard_rows(matrices_[k], g).second == pool.rows) home.push_back(g);
+      if (shard_rows(matrices_[k], g).second == pool.rows) home.push_back(home_node(matrices_[k], g) * ranks_ + g);
     homes.push_back(std::move(home));
   }
-  assignment_ = assign_owners(costs, homes, ranks_);
+  assignment_ = assign_owners(costs, homes, nodes_ * ranks_);
   for (std::size_t j = 0; j < sharded.size(); ++j) matrices_[sharded[j]].owner = assignment_.owner[j];
 
-  // The owned section: per pool, each owner's matrices side by side.
-  std::vector<int64_t> owned_bytes(ranks_, 0);
+  // The owned section: per pool, each owner's matrices side by side (every
+  // rank of the job, so that every node's layout is the same).
+  const int world = nodes_ * ranks_;
+  std::vector<int64_t> owned_bytes(world, 0);
   for (Pool& pool : pools_) {
-    pool.owned_begin.assign(ranks_, 0);
-    pool.owned_count.assign(ranks_, 0);
+    pool.owned_begin.assign(world, 0);
+    pool.owned_count.assign(world, 0);
   }
   for (std::size_t p = 0; p < pools_.size(); ++p) {
     Pool& pool = pools_[p];
     if (!pool.sharded) continue;
-    for (int g = 0; g < ranks_; ++g) pool.owned_begin[g] = owned_bytes[g];
+    for (int g = 0; g < world; ++g) pool.owned_begin[g] = owned_bytes[g];
     for (Matrix& matrix : matrices_) {
       if (matrix.pool != int(p)) continue;
       matrix.index = pool.owned_count[matrix.owner]++;
       owned_bytes[matrix.owner] += pool.bytes();
     }
-    for (int g = 0; g < ranks_; ++g) owned_bytes[g] = align_up(owned_bytes[g]);
+    for (int g = 0; g < world; ++g) owned_bytes[g] = align_up(owned_bytes[g]);
   }
   rows_section_ = align_up(*std::max_element(owned_bytes.begin(), owned_bytes.end()));
-  // The rows section: each rank's rows of the matrices others own.
+  // The rows section: each rank's rows of the matrices others own (on this
+  // node or another).
   std::vector<int64_t> rows_bytes(ranks_, 0);
   for (Matrix& matrix : matrices_) {
     matrix.rows_at.assign(ranks_, -1);
     if (!pools_[matrix.pool].sharded) continue;
     for (int g = 0; g < ranks_; ++g) {
       const int64_t count = shard_rows(matrix, g).second;
-      if (count == 0 || g == matrix.owner) continue;
+      if (count == 0 || matrix.owner == node_ * ranks_ + g) continue;
       matrix.rows_at[g] = rows_section_ + rows_bytes[g];
       rows_bytes[g] += count * pools_[matrix.pool].cols * 2;
     }
@@ -233,32 +280,34 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
       pool.batch = at::empty({count, pool.rows, pool.cols}, at::TensorOptions().dtype(at::kBFloat16).device(device_));
       continue;
     }
-    const int64_t count = pool.owned_count[rank_];
-    pool.batch = bytes_.narrow(0, pool.owned_begin[rank_], count * pool.bytes())
+    const int64_t count = pool.owned_count[me()];
+    pool.batch = bytes_.narrow(0, pool.owned_begin[me()], count * pool.bytes())
                      .view(at::kBFloat16)
                      .view({count, pool.rows, pool.cols});
   }
 
-  // The pulls, planned once: owners pull their matrices' rows from the
-  // holders; holders pull their rows of the results from the owners.
+  // The pulls, planned once, of the matrices this node orthogonalises:
+  // owners pull their matrices' rows from the holders; holders pull their
+  // rows of the results from the owners.
   scatter_.resize(pools_.size());
   for (const Matrix& matrix : matrices_) {
     const Pool& pool = pools_[matrix.pool];
-    if (!pool.sharded) continue;
+    if (!pool.sharded || matrix.owner / ranks_ != node_) continue;
+    const int owner = matrix.owner % ranks_;
     for (int g = 0; g < ranks_; ++g) {
       auto [begin, count] = shard_rows(matrix, g);
-      if (count == 0 || g == matrix.owner) continue;
+      if (count == 0 || g == owner) continue;
       const int64_t bytes = count * pool.cols * 2;
-      if (matrix.owner == rank_ || g == rank_) peer_bytes_ += bytes;
-      if (matrix.owner == rank_)
+      if (owner == rank_ || g == rank_) peer_bytes_ += bytes;
+      if (owner == rank_)
         gather_.add(static_cast<char*>(buffer_->local()) + owned_at(matrix, begin),
                     static_cast<const char*>(buffer_->peer(g)) + matrix.rows_at[g], bytes);
       if (g == rank_)
         scatter_[matrix.pool].add(static_cast<char*>(buffer_->local()) + matrix.rows_at[g],
-                                  static_cast<const char*>(buffer_->peer(matrix.owner)) + owned_at(matrix, begin),
-                                  bytes);
+                                  static_cast<const char*>(buffer_->peer(owner)) + owned_at(matrix, begin), bytes);
     }
   }
+  if (nodes_ > 1) plan_exchanges();
 
   // Runs of each parameter's rows in this rank's buffer: a matrix's rows are
   // its slot in a batch (private, or owned here) or its entry in the rows
@@ -279,7 +328,7 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
       int64_t at = -1;  // batch index, or byte offset in the rows section
     };
     auto place_of = [&](const Matrix& matrix) {
-      const bool in_batch = !pools_[matrix.pool].sharded || matrix.owner == rank_;
+      const bool in_batch = !pools_[matrix.pool].sharded || matrix.owner == me();
       return Place{in_batch, in_batch ? matrix.index : matrix.rows_at[rank_]};
     };
     Place start, last;
@@ -340,8 +389,108 @@ at::Tensor DeviceMuon::my_rows(const Matrix& matrix) const {
   const Pool& pool = pools_[matrix.pool];
   if (!pool.sharded) return pool.batch.select(0, matrix.index);
   auto [begin, count] = shard_rows(matrix, rank_);
-  const int64_t at = matrix.owner == rank_ ? owned_at(matrix, begin) : matrix.rows_at[rank_];
+  const int64_t at = matrix.owner == me() ? owned_at(matrix, begin) : matrix.rows_at[rank_];
   return bytes_.narrow(0, at, count * pool.cols * 2).view(at::kBFloat16).view({count, pool.cols});
+}
+
+int DeviceMuon::home_node(const Matrix& matrix, int local) const {
+  const auto& shape = params_[matrix.param].shape;
+  if (shape.size() == 2) return int(matrix.param % nodes_);  // one rank per node: every node holds it whole
+  const comm::Range experts = comm::chunk(shape[0], int(shards_), local);
+  return int((matrix.expert - int64_t(experts.begin)) * nodes_ / int64_t(experts.size()));
+}
+
+void DeviceMuon::plan_exchanges() {
+  // A round's pieces: per node, this rank's rows of the results that node
+  // computes, in matrix order. Rounds end where this rank's rows of the pool
+  // pass the limit: the same cuts on every node, since counterparts hold the
+  // same rows.
+  struct Piece {
+    char* at;  // in this rank's buffer
+    int64_t bytes;
+  };
+  using Round = std::vector<std::vector<Piece>>;  // [node][piece]
+  const int64_t limit = std::max<int64_t>(kExchangeBytes / nodes_, 1);
+  char* local = static_cast<char*>(buffer_->local());
+  std::vector<std::vector<Round>> rounds(pools_.size());
+  int64_t send_bytes = 0, recv_bytes = 0;
+  exchanges_.resize(pools_.size());
+  for (std::size_t p = 0; p < pools_.size(); ++p) {
+    const Pool& pool = pools_[p];
+    if (!pool.sharded) continue;
+    int64_t filled = 0;
+    for (const Matrix& matrix : matrices_) {
+      if (matrix.pool != int(p)) continue;
+      auto [begin, count] = shard_rows(matrix, rank_);
+      const int64_t bytes = count * pool.cols * 2;
+      if (count == 0) continue;
+      if (rounds[p].empty() || (filled > 0 && filled + bytes > limit)) {
+        rounds[p].emplace_back(nodes_);
+        filled = 0;
+      }
+      const int64_t at = matrix.owner == me() ? owned_at(matrix, begin) : matrix.rows_at[rank_];
+      rounds[p].back()[matrix.owner / ranks_].push_back(Piece{local + at, bytes});
+      filled += bytes;
+    }
+    for (const Round& round : rounds[p]) {
+      Exchange& exchange = exchanges_[p].emplace_back();
+      exchange.send_sizes.assign(nodes_, 0);
+      exchange.recv_sizes.assign(nodes_, 0);
+      int64_t mine = 0, theirs = 0;
+      for (const Piece& piece : round[node_]) mine += piece.bytes;
+      for (int node = 0; node < nodes_; ++node) {
+        if (node == node_) continue;
+        exchange.send_sizes[node] = mine;
+        for (const Piece& piece : round[node]) exchange.recv_sizes[node] += piece.bytes;
+        theirs += exchange.recv_sizes[node];
+      }
+      send_bytes = std::max(send_bytes, mine * (nodes_ - 1));
+      recv_bytes = std::max(recv_bytes, theirs);
+    }
+  }
+  const auto staging = at::TensorOptions().dtype(at::kByte).device(device_);
+  send_ = at::empty({send_bytes}, staging);
+  recv_ = at::empty({recv_bytes}, staging);
+  // The copies, now that the staging's addresses are known: the send
+  // staging holds this rank's pieces once per other node, in node order,
+  // and the receive staging each other node's pieces, in node order.
+  char* send = static_cast<char*>(send_.data_ptr());
+  char* recv = static_cast<char*>(recv_.data_ptr());
+  for (std::size_t p = 0; p < pools_.size(); ++p)
+    for (std::size_t r = 0; r < rounds[p].size(); ++r) {
+      Exchange& exchange = exchanges_[p][r];
+      int64_t sent = 0, received = 0;
+      for (int node = 0; node < nodes_; ++node) {
+        if (node == node_) continue;
+        for (const Piece& piece : rounds[p][r][node_]) {
+          exchange.pack.add(send + sent, piece.at, piece.bytes);
+          sent += piece.bytes;
+        }
+        for (const Piece& piece : rounds[p][r][node]) {
+          exchange.unpack.add(piece.at, recv + received, piece.bytes);
+          received += piece.bytes;
+        }
+      }
+    }
+}
+
+void DeviceMuon::exchange(std::size_t p) {
+  // The collectives follow the current stream (NCCL's start waits for it,
+  // and wait() makes it wait for their end): the results stream, so the
+  // rounds overlap the next pool's Newton–Schulz on the compute stream.
+  c10::StreamGuard on_results(results_stream_);
+  const fabric::StreamHandle results = results_stream_.native_handle();
+  for (Exchange& round : exchanges_[p]) {
+    round.pack.run(results);
+    int64_t sent = 0, received = 0;
+    for (int node = 0; node < nodes_; ++node) {
+      sent += round.send_sizes[node];
+      received += round.recv_sizes[node];
+    }
+    at::Tensor send = send_.narrow(0, 0, sent), recv = recv_.narrow(0, 0, received);
+    comm::c10d_compat::all_to_all_single(*counterparts_, recv, send, round.recv_sizes, round.send_sizes)->wait();
+    round.unpack.run(results);
+  }
 }
 
 void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -400,6 +549,7 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
     const uint64_t round = solved_[p]->post(stream);
     solved_[p]->wait_all(round, results, "hp.optim.Muon (waiting for owners' results)");
     scatter_[p].run(results);
+    if (nodes_ > 1) exchange(p);
   }
   plan::add_peer_bytes(uint64_t(peer_bytes_));
   if (read_) {
@@ -422,13 +572,13 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
 std::vector<std::pair<int64_t, int64_t>> DeviceMuon::owned() const {
   std::vector<std::pair<int64_t, int64_t>> mine;
   for (const Matrix& matrix : matrices_)
-    if (matrix.owner == rank_) mine.emplace_back(matrix.param, matrix.expert);
+    if (matrix.owner == me()) mine.emplace_back(matrix.param, matrix.expert);
   return mine;
 }
 
 std::shared_ptr<MuonPlan> make_device_muon(std::vector<ParamSpec> params, comm::Communicator* comm, MeshLayout mesh,
-                                           c10::intrusive_ptr<c10d::ProcessGroup>, c10::Device device) {
-  return std::make_shared<DeviceMuon>(std::move(params), comm, std::move(mesh), device);
+                                           c10::intrusive_ptr<c10d::ProcessGroup> counterparts, c10::Device device) {
+  return std::make_shared<DeviceMuon>(std::move(params), comm, std::move(mesh), std::move(counterparts), device);
 }
 
 const bool registered = (register_muon_factory(c10::DeviceType::CUDA, &make_device_muon), true);

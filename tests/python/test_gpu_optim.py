@@ -67,48 +67,88 @@ def test_updates_follow_torch_muon_on_cuda(nesterov):
     assert worst <= 0.05 * change
 
 
-def sharded_muon(steps: int) -> tuple:
+def sharded_muon(steps: int, nodes: int = 1) -> tuple:
+    """hp.fully_shard + hp.optim.Muon on the GPU: FSDP over one node's ranks, or HSDP (shards within
+    a node, replicated across ``nodes``). Returns the full parameters, each rank's owned matrices,
+    bytes pulled from peers and matrices orthogonalised."""
     hp.comm.init()
     device = hp.comm.device()
     torch.cuda.set_device(device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cuda", (world,))
+    world = dist.get_world_size()
+    topology = hp.comm.get().topology
+    shards, shard = topology.local_world_size, topology.local_rank
+    if nodes > 1:
+        mesh = init_device_mesh("cuda", (nodes, shards), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cuda", (world,))
     model = nn.ParameterList(_params(0, device))
     hp.fully_shard(model, mesh=mesh)
     optimizer = hpo.Muon(list(model.parameters()), lr=2e-3, adjust_lr_fn="match_rms_adamw")
     hpo.reset_stats()
     for step in range(steps):
+        # Every replica gets the same gradients, as HSDP's all-reduce leaves them.
         for p, g in zip(model.parameters(), _grads(step, device)):
-            local = torch.chunk(g, world)[rank]
+            local = torch.chunk(g, shards)[shard]
             p.grad = DTensor.from_local(local.contiguous(), mesh, p.placements, shape=p.shape, stride=p.stride())
         optimizer.step()
     locals_ = [p.to_local().detach().cpu() for p in model.parameters()]
-    owned = optimizer.owned()
+    owned, stats = optimizer.owned(), hpo.stats()
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (locals_, owned, hpo.stats()["muon_peer_bytes"]))
-    full = [torch.cat([parts[0][i] for parts in everyone]) for i in range(len(SHAPES))]
-    return full, {rank: {"owned": owned_by, "peer_bytes": moved} for rank, (_, owned_by, moved) in enumerate(everyone)}
+    dist.all_gather_object(everyone, (locals_, owned, stats["muon_peer_bytes"], stats["ns_matrices"]))
+    # The full parameters as each node holds them.
+    full = [[torch.cat([everyone[node * shards + s][0][i] for s in range(shards)]) for i in range(len(SHAPES))]
+            for node in range(nodes)]
+    return full, {r: {"owned": o, "peer_bytes": moved, "ns_matrices": n} for r, (_, o, moved, n) in enumerate(everyone)}
 
 
-def test_two_ranks_sharing_the_gpu_equal_one_process():
-    results = run(sharded_muon, nproc=2, args=(10,))
+def _one_process(steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The same steps in this process: (initial, final) parameters on the CPU."""
     device = torch.device("cuda", 0)
     ours = _params(0, device)
     initial = [p.detach().cpu().clone() for p in ours]
     optimizer = hpo.Muon(ours, lr=2e-3, adjust_lr_fn="match_rms_adamw")
-    for step in range(10):
+    for step in range(steps):
         for p, g in zip(ours, _grads(step, device)):
             p.grad = g
         optimizer.step()
-    full, ranks = results[0]
-    owned = [o for r in ranks.values() for o in r["owned"]]
+    return initial, [p.detach().cpu() for p in ours]
+
+
+def _assert_each_matrix_once(ranks: dict, steps: int) -> None:
     matrices = sum(shape[0] if len(shape) == 3 else 1 for shape in SHAPES)
-    assert sorted(owned) == sorted(set(owned)) and len(owned) == matrices  # each matrix exactly once
+    owned = [o for r in ranks.values() for o in r["owned"]]
+    assert sorted(owned) == sorted(set(owned)) and len(owned) == matrices  # each matrix exactly once in the job
+    assert sum(r["ns_matrices"] for r in ranks.values()) == steps * matrices
+
+
+def _assert_close(label: str, full: list[torch.Tensor], initial: list, expected: list) -> None:
+    worst = max((got - p).abs().max().item() for got, p in zip(full, expected))
+    change = max((p - q).abs().max().item() for p, q in zip(expected, initial))
+    print(f"hp.optim.Muon, {label} vs 1 process, 10 steps: max |param diff| {worst:.3g} "
+          f"(the parameters moved by up to {change:.3g})")
+    assert worst <= 0.05 * change
+
+
+def test_two_ranks_sharing_the_gpu_equal_one_process():
+    results = run(sharded_muon, nproc=2, args=(10,))
+    initial, expected = _one_process(10)
+    (full,), ranks = results[0]
+    _assert_each_matrix_once(ranks, 10)
     # What the ranks pulled from each other: the rows owners lacked and the results' rows, no more.
     moved = sum(r["peer_bytes"] for r in ranks.values())
     assert moved == 10 * peer_bytes_per_step(ranks, 2, [torch.Size(s) for s in SHAPES]) > 0
-    worst = max((got - p.detach().cpu()).abs().max().item() for got, p in zip(full, ours))
-    change = max((p.detach().cpu() - q).abs().max().item() for p, q in zip(ours, initial))
-    print(f"hp.optim.Muon, 2 ranks sharing the GPU vs 1 process, 10 steps: max |param diff| {worst:.3g} "
-          f"(the parameters moved by up to {change:.3g})")
-    assert worst <= 0.05 * change
+    _assert_close("2 ranks sharing the GPU", full, initial, expected)
+
+
+def test_hsdp_2x2_sharing_the_gpu_equals_one_process(monkeypatch):
+    # Each matrix orthogonalised on one node; its results reach the other node's counterparts over
+    # c10d: Gloo, since counterparts share a GPU here and NCCL refuses that (its stream-ordered
+    # path runs where each rank has a GPU of its own). Both nodes end with the same bits.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    results = run(sharded_muon, nproc=2, nnodes=2, args=(10, 2))
+    initial, expected = _one_process(10)
+    (node0, node1), ranks = results[0]
+    _assert_each_matrix_once(ranks, 10)
+    assert {r // 2 for r, v in ranks.items() if v["owned"]} == {0, 1}  # both nodes orthogonalise
+    assert all(torch.equal(a, b) for a, b in zip(node0, node1))
+    _assert_close("HSDP 2 nodes x 2 ranks sharing the GPU", node0, initial, expected)
