@@ -74,6 +74,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
     stop_at: int | None = None  # stop (with a checkpoint) after this step; the schedule still spans `steps`
     threads_per_rank: int = 0  # torch intra-op threads per rank; 0: cores / local ranks
+    device: str = "auto"  # "cuda": GPUs (local rank i on GPU i modulo their count); "cpu"; "auto": CUDA if present
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Config:
 
 
 CHOICES = {
+    "train.device": ("auto", "cpu", "cuda"),
     "model.mixed_precision": ("float32", "bfloat16"),
     "optim.name": ("muon", "adamw"),
 }
@@ -360,6 +362,32 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"{t.micro_batch} x {world_size} = {per_step}; set train.global_batch to a multiple of {per_step} "
             f"(e.g. {lower}), or run on {' / '.join(map(str, ranks)) or 'other'} ranks"
         )
+
+
+def resolve_device(cfg: Config) -> str:
+    """``train.device`` as the device type the ranks compute on, "cpu" or "cuda"; ConfigError if
+    CUDA is asked for where torch or hyperparallel cannot use it."""
+    import torch
+
+    asked = cfg.train.device
+    if asked == "cpu":
+        return "cpu"
+    from hyperparallel import _C
+
+    usable = torch.cuda.is_available() and "cuda" in _C.device_backends()
+    if asked == "auto":
+        return "cuda" if usable else "cpu"
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.device is cuda but torch {torch.__version__} sees no GPU (a CPU build of torch, or no driver); "
+            "set train.device=cpu, or install a CUDA build of torch"
+        )
+    if not usable:
+        raise ConfigError(
+            "train.device is cuda but this build of hyperparallel has no CUDA backend; rebuild it against the "
+            "installed CUDA torch with nvcc on PATH (bash scripts/setup.sh), or set train.device=cpu"
+        )
+    return "cuda"
 
 
 def check_vocab(cfg: Config, model_vocab: int) -> None:

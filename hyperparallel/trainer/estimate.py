@@ -21,6 +21,16 @@ Memory is what the OS will count for each rank (peak resident set size), in part
   decoder layer keeps its input and one layer is recomputed at a time; plus the
   logits' gradient buffers at the start of backward;
 - **data**: the memory-mapped token file's pages.
+
+On GPUs (``train.device`` resolving to cuda) the estimate is of the device memory a
+rank's GPU holds for it, in the same parts: the CUDA context and library workspaces;
+this rank's fp32 shard of the parameters (peer-mapped), with bf16 mixed precision its
+bf16 copy of its rows, and the full parameters of the root and of two decoder layers
+(the one computing, the one prefetched); the fp32 gradient shard, autograd's full
+gradients and the reduce-scatter buffers of two groups; AdamW's moments and Muon's
+momentum for this rank's rows, Muon's peer-mapped bf16 rows and owned matrices, and
+its Newton-Schulz temporaries (at most 512 MiB at a time); the activations traced as
+on the CPU, with the caching allocator's slack. The token file stays in host memory.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import torch
 from torch import nn
 
 from hyperparallel.trainer import model as model_lib
-from hyperparallel.trainer.config import Config
+from hyperparallel.trainer.config import Config, resolve_device
 from hyperparallel.trainer.report import MIB, human
 
 # What a rank loads on first use beyond this process's imports: MKL/oneDNN kernels
@@ -47,18 +57,26 @@ RANK_OVERHEAD_BYTES = 60 * MIB
 # The allocator keeps freed blocks for reuse; peak RSS runs above the live bytes by
 # about this fraction of what the step allocates and frees (activations, gradients).
 ALLOCATOR_SLACK = 0.15
+# A GPU rank's fixed part: the CUDA context with torch's kernels loaded, cuBLAS's and
+# cuDNN's workspaces. Not yet measured on a GPU by this estimate's test (test_gpu_train).
+CUDA_RUNTIME_BYTES = 600 * MIB
+# Muon on a GPU: Newton-Schulz's temporaries are at most this much at a time (see
+# csrc/optim/newton_schulz.cpp's kDeviceGroupBytes).
+NS_DEVICE_GROUP_BYTES = 512 * MIB
 
 
 @dataclass
 class Estimate:
-    """Bytes per rank by part (see the module docstring); ``total`` is the peak RSS estimate."""
+    """Bytes per rank by part (see the module docstring); ``total`` is the peak estimate
+    (``total_is`` says of what: resident memory, or a GPU's memory)."""
 
     parts: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    total_is: str = "peak RSS per rank"
 
     @property
     def total(self) -> int:
-        """The peak RSS estimate: the sum of the parts."""
+        """The peak estimate: the sum of the parts."""
         return sum(self.parts.values())
 
     def table(self) -> str:
@@ -66,28 +84,29 @@ class Estimate:
         width = max(len(k) for k in self.parts)
         rows = [f"    {name:<{width}}  {value / MIB:9.1f} MiB   {self.notes.get(name, '')}"
                 for name, value in self.parts.items()]
-        rows.append(f"    {'total':<{width}}  {self.total / MIB:9.1f} MiB   peak RSS per rank")
+        rows.append(f"    {'total':<{width}}  {self.total / MIB:9.1f} MiB   {self.total_is}")
         return "\n".join(rows)
 
 
-def _fake_model(cfg: Config, dtype: torch.dtype):
-    """The model (patched, in ``dtype``) made of fake tensors: shapes without memory."""
+def _fake_model(cfg: Config, dtype: torch.dtype, device: str):
+    """The model (patched, in ``dtype``, on ``device``) made of fake tensors: shapes without memory."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        model = model_lib.build(cfg, device="cpu", dtype=dtype, weights=False)
+        model = model_lib.build(cfg, device=device, dtype=dtype, weights=False)
     return model, mode
 
 
-def activation_bytes(cfg: Config) -> tuple[int, int, int]:
+def activation_bytes(cfg: Config, device: str) -> tuple[int, int, int]:
     """(saved bytes of one micro-batch's forward, of which in decoder layers, the largest saved tensor).
 
-    The forward runs on fake tensors; every tensor autograd saves is counted once
-    (views share a storage), parameters excluded.
+    The forward runs on fake tensors of ``device`` (what autograd saves depends on the
+    kernels: flash attention keeps no attention matrix); every tensor autograd saves is
+    counted once (views share a storage), parameters excluded.
     """
     dtype = torch.bfloat16 if cfg.model.mixed_precision == "bfloat16" else torch.float32
-    model, mode = _fake_model(cfg, dtype)
+    model, mode = _fake_model(cfg, dtype, device)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     saved: dict[int, int] = {}
     in_layers = [0]
@@ -113,7 +132,7 @@ def activation_bytes(cfg: Config) -> tuple[int, int, int]:
         hooks.append(layer.register_forward_pre_hook(enter))
         hooks.append(layer.register_forward_hook(leave))
     with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ids = torch.zeros(cfg.train.micro_batch, cfg.data.seq_len, dtype=torch.long)
+        ids = torch.zeros(cfg.train.micro_batch, cfg.data.seq_len, dtype=torch.long, device=device)
         model(input_ids=ids, labels=ids)
     for hook in hooks:
         hook.remove()
@@ -142,7 +161,8 @@ def runtime_bytes() -> int:
 
 
 def estimate(cfg: Config, world: int) -> Estimate:
-    """Peak resident memory per rank for ``cfg`` on ``world`` ranks (one node)."""
+    """Peak memory per rank for ``cfg`` on ``world`` ranks (one node): resident memory on the
+    CPU, device memory on a GPU (whichever ``train.device`` resolves to)."""
     from hyperparallel.optim import muon_param_split
 
     model = model_lib.build(cfg, device="meta")
@@ -157,7 +177,8 @@ def estimate(cfg: Config, world: int) -> Estimate:
     else:
         n_muon, n_adamw, largest_matrix = 0, n, 0
     share = 1 / world
-    total_act, layer_act, largest = activation_bytes(cfg)
+    device = resolve_device(cfg)
+    total_act, layer_act, largest = activation_bytes(cfg, device)
     layers = len(model_lib.decoder_layers(model))
     if cfg.model.activation_checkpointing:
         hidden = model.config.hidden_size
@@ -168,6 +189,12 @@ def estimate(cfg: Config, world: int) -> Estimate:
         activations = total_act
         act_note = f"{cfg.train.micro_batch} x {cfg.data.seq_len} tokens (fake-tensor trace)"
     biggest_group = max(groups)
+    if device == "cuda":
+        layer_group = max(groups[:-1], default=0)
+        return _device_estimate(
+            n=n, world=world, bf16=bf16, root=groups[-1], layer=layer_group, n_muon=n_muon, n_adamw=n_adamw,
+            activations=activations, act_note=act_note, transient=2 * largest,
+        )
     grads = (
         n * share * 4  # sharded fp32 gradients
         + 2 * biggest_group * compute_size  # autograd's full gradients in flight
@@ -201,6 +228,37 @@ def estimate(cfg: Config, world: int) -> Estimate:
     return Estimate(parts, notes)
 
 
+def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n_muon: int, n_adamw: int,
+                     activations: int, act_note: str, transient: int) -> Estimate:
+    """The GPU's parts (see the module docstring): sizes in parameters, ``activations`` in bytes."""
+    share = 1 / world
+    compute_size = 2 if bf16 else 4
+    full = (root + 2 * layer) * compute_size  # unsharded: the root, the layer computing, the one prefetched
+    grads = n * share * 4 + 2 * layer * compute_size + 2 * layer * 4  # shard, autograd's, reduce-scatter buffers
+    optimizer = n_adamw * share * 8 + n_muon * share * 4
+    if n_muon:
+        optimizer += n_muon * share * 2 * 2  # peer-mapped bf16: own rows, owned matrices
+        optimizer += min(NS_DEVICE_GROUP_BYTES, int(n_muon * share * 8))  # Newton-Schulz temporaries
+    parts = {
+        "runtime": CUDA_RUNTIME_BYTES,
+        "parameters": int(n * share * 4 + (n * share * 2 if bf16 else 0) + full),
+        "gradients": int(grads),
+        "optimizer state": int(optimizer),
+        "activations": int(activations + transient + ALLOCATOR_SLACK * (activations + grads)),
+    }
+    notes = {
+        "runtime": "CUDA context, cuBLAS / cuDNN workspaces",
+        "parameters": (f"1/{world} of {human(n)} fp32" + (" + its bf16 copy" if bf16 else "")
+                       + f", full root + 2 layers ({human(root + 2 * layer)}) unsharded"),
+        "gradients": f"1/{world} fp32 shard + 2 layers' full gradients and reduce-scatter buffers",
+        "optimizer state": (f"Muon {human(n_muon)} (momentum shard, peer-mapped bf16, Newton-Schulz), "
+                            f"AdamW {human(n_adamw)} (2 moments)" if n_muon
+                            else f"AdamW {human(n_adamw)}: two moments of 1/{world}"),
+        "activations": act_note,
+    }
+    return Estimate(parts, notes, "peak GPU memory per rank")
+
+
 def _data_bytes(cfg: Config) -> int:
     path = Path(cfg.data.tokens)
     if path.is_file():
@@ -217,6 +275,7 @@ def dry_run(cfg: Config, world: int) -> str:
     accumulation = cfg.accumulation(world)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     est = estimate(cfg, world)
+    gpu = resolve_device(cfg) == "cuda"
     mc = model.config
     experts = getattr(mc, "num_experts", 0)
     moe = f", {experts} experts top-{mc.num_experts_per_tok}" if experts else ""
@@ -232,7 +291,8 @@ def dry_run(cfg: Config, world: int) -> str:
         (f"  modules     {'hp.nn fused (patch on)' if cfg.model.patch else 'stock HF (patch off)'}, "
          f"activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}, "
          f"{cfg.model.mixed_precision}"),
-        (f"  sharding    hp.fully_shard over {world} ranks: {len(groups) - 1} decoder layers + root "
+        (f"  sharding    hp.fully_shard over {world} ranks ({'GPUs' if gpu else 'CPU'}): {len(groups) - 1} decoder "
+         f"layers + root "
          f"({len(groups)} groups, largest {human(max(groups))} params)"),
         (f"  batch       {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens_per_step:,} tokens "
          f"per step: {cfg.train.micro_batch} per rank x {accumulation} micro-batches x {world} ranks"),
@@ -244,9 +304,11 @@ def dry_run(cfg: Config, world: int) -> str:
                                                f" (made from {', '.join(cfg.data.prepare.text)})")),
         f"  checkpoints {checkpoint}, in {Path(cfg.output.dir) / 'checkpoints'}",
         "",
-        "memory per rank (estimate):",
+        f"{'GPU memory' if gpu else 'memory'} per rank (estimate):",
         est.table(),
-        (f"  x {world} ranks on this node: {est.total * world / MIB / 1024:.2f} GiB RSS in all (shared pages "
+        (f"  x {world} ranks: {est.total * world / MIB / 1024:.2f} GiB of GPU memory in all (ranks sharing a GPU "
+         "add up)" if gpu else
+         f"  x {world} ranks on this node: {est.total * world / MIB / 1024:.2f} GiB RSS in all (shared pages "
          f"counted once per rank; the node holds parameters once: {math.ceil(params['total'] * 4 / MIB)} MiB)"),
     ]
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from hyperparallel.trainer import model as model_lib
 from hyperparallel.trainer import optim as optim_lib
 from hyperparallel.trainer import report
 from hyperparallel.trainer import state as state_lib
-from hyperparallel.trainer.config import Config, check_vocab, check_world, from_dict
+from hyperparallel.trainer.config import Config, check_vocab, check_world, from_dict, resolve_device
 from hyperparallel.trainer.data import TokenLoader
 
 
@@ -50,8 +50,9 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         self.t_start = time.perf_counter()
 
-        mesh = model_lib.build_mesh()
-        self.model = model_lib.build(cfg)
+        self.device = model_lib.rank_device(resolve_device(cfg))
+        mesh = model_lib.build_mesh(self.device.type)
+        self.model = model_lib.build(cfg, device=self.device)
         self.params = model_lib.count_params(self.model)
         if cfg.model.activation_checkpointing:
             model_lib.checkpoint_layers(self.model)
@@ -69,7 +70,8 @@ class Trainer:
         self.step = self._resume()
         self.stop = cfg.train.stop_at or cfg.train.steps
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        self.phases = report.Phases()
+        self.phases = report.Phases(self.device)
+        self.peak_device_bytes = 0
 
     def _resume(self) -> int:
         """The step to start from: the latest checkpoint's, loaded into model, optimizers and loader; else 0."""
@@ -89,12 +91,13 @@ class Trainer:
         self.phases.reset()
         lr = optim_lib.lr_at(self.cfg, self.step)
         optim_lib.set_lr(self.optimizers, lr)
-        losses = torch.zeros(2, dtype=torch.float64)  # lm loss, aux loss; summed over micro-batches
+        losses = torch.zeros(2, dtype=torch.float64, device=self.device)  # lm loss, aux loss; summed over micro-batches
         for micro in range(self.accumulation):
             self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
-            ids = self.phases.run("data", self.loader.micro_batch, micro)
+            ids = self.phases.run("data", self._micro_batch, micro)
             output = self.phases.run("forward", self._forward, ids)
-            aux = output.aux_loss.detach() if self.aux_coef and output.aux_loss is not None else torch.zeros(())
+            aux = (output.aux_loss.detach() if self.aux_coef and output.aux_loss is not None
+                   else torch.zeros((), device=self.device))
             losses += torch.stack([output.loss.detach() - self.aux_coef * aux, aux]).double()
             self.phases.run("backward", self._backward, output.loss)
         grad_norm = self.phases.run("optimizer", self._optimizer_step)
@@ -104,11 +107,19 @@ class Trainer:
         hp.comm.all_reduce(losses, "avg")
         loss, aux_loss = losses.tolist()
         wall = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            # The GPU's own count (hp's peer-mapped buffers are outside torch's allocator, which
+            # keeps what a step reserved): after a step, its peak. Ranks sharing a GPU see each other.
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.peak_device_bytes = max(self.peak_device_bytes, total - free)
         return {
             "step": self.step, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / wall, "step_s": wall,
             **{f"{k}_s": v for k, v in self.phases.times.items()}, "epoch": self.loader.epoch,
         }
+
+    def _micro_batch(self, micro: int) -> torch.Tensor:
+        return self.loader.micro_batch(micro).to(self.device)
 
     def _forward(self, ids: torch.Tensor):
         return self.model(input_ids=ids, labels=ids)
@@ -149,7 +160,7 @@ class Trainer:
         loop_s = time.perf_counter() - t_loop
 
         # Every rank's measurements, for rank 0's summary.
-        mine = {"peak_rss_bytes": rss_bytes(peak=True),
+        mine = {"peak_rss_bytes": rss_bytes(peak=True), "peak_device_bytes": self.peak_device_bytes,
                 "per_step": [{"step_s": r["step_s"], **{p: r[f"{p}_s"] for p in report.PHASES}} for r in records]}
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
@@ -158,7 +169,7 @@ class Trainer:
         if self.rank == 0:
             summary = report.summarize({
                 **summary, "model": type(self.model).__name__.removeprefix("HP"), "params": self.params,
-                "world_size": self.world, "optimizer": "+".join(self.optimizers),
+                "world_size": self.world, "device": self.device.type, "optimizer": "+".join(self.optimizers),
                 "precision": cfg.model.mixed_precision, "patch": cfg.model.patch,
                 "activation_checkpointing": cfg.model.activation_checkpointing,
                 "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,

@@ -88,15 +88,28 @@ def shard(model: nn.Module, cfg: Config, mesh) -> None:
 
     policy = mixed_precision(cfg)
     # With activation checkpointing the recomputation in backward reads the layer's
-    # parameters: keep the full ones registered after forward (they live in shared
-    # memory once per node either way, so this costs no memory).
-    reshard = False if cfg.model.activation_checkpointing else None
+    # parameters. On the CPU keep the full ones registered after forward: they live in
+    # shared memory once per node either way, so this costs no memory. On a GPU they are
+    # this rank's own allocation: free them, and the pre-backward hook pulls them again
+    # before the recomputation (as with FSDP2).
+    reshard = False if cfg.model.activation_checkpointing and mesh.device_type == "cpu" else None
     for layer in decoder_layers(model):
         hp.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     hp.fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def build_mesh():
+def rank_device(device_type: str) -> torch.device:
+    """The device this rank computes on: the CPU, or its GPU (``hp.comm.device()``), made current."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    import hyperparallel as hp
+
+    device = hp.comm.device()
+    torch.cuda.set_device(device)
+    return device
+
+
+def build_mesh(device_type: str):
     """1-D data-parallel mesh on one node; (nodes, ranks per node) HSDP across nodes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -106,9 +119,9 @@ def build_mesh():
     topology = hp.comm.init().topology
     if topology.num_nodes > 1:
         return init_device_mesh(
-            "cpu", (topology.num_nodes, topology.local_world_size), mesh_dim_names=("replicate", "shard")
+            device_type, (topology.num_nodes, topology.local_world_size), mesh_dim_names=("replicate", "shard")
         )
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def count_params(model: nn.Module) -> dict[str, int]:

@@ -9,18 +9,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 MIB = 1 << 20
 PHASES = ("data", "forward", "backward", "optimizer", "comm_wait")
 
 
 class Phases:
     """Wall time per phase of a step; waits on other ranks (hp.fsdp.comm_wait_seconds) are
-    taken out of the phase they happened in and counted as ``comm_wait``."""
+    taken out of the phase they happened in and counted as ``comm_wait``. On a GPU each phase
+    ends when the work it queued is done (a synchronize), so that its time is its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         from hyperparallel.fsdp import comm_wait_seconds
 
         self._waits = comm_wait_seconds
+        self._device = device if device is not None and device.type == "cuda" else None
         self.times = dict.fromkeys(PHASES, 0.0)
 
     def reset(self) -> None:
@@ -29,6 +33,8 @@ class Phases:
     def run(self, name: str, fn, *args):
         start, waited = time.perf_counter(), self._waits()
         result = fn(*args)
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)
         wait = self._waits() - waited
         self.times[name] += time.perf_counter() - start - wait
         self.times["comm_wait"] += wait
@@ -38,8 +44,8 @@ class Phases:
 def summarize(run: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's summary: ``run`` (what it knows of the run) and what every rank measured.
 
-    ``ranks[r]`` holds rank r's ``peak_rss_bytes`` and ``per_step`` (its phase times per
-    step). A step takes as long as its slowest rank (the others wait for it); phases are
+    ``ranks[r]`` holds rank r's ``peak_rss_bytes``, ``peak_device_bytes`` (its GPU's memory
+    in use, 0 on the CPU) and ``per_step`` (its phase times per step). A step takes as long as its slowest rank (the others wait for it); phases are
     means over ranks. The first step is left out when there are more than 3: it builds
     plans and touches memory.
     """
@@ -56,6 +62,7 @@ def summarize(run: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any
         "step_s_median": step_median,
         "time_split_s": split,
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+        "peak_device_bytes_per_rank": [r["peak_device_bytes"] for r in ranks],
     }
 
 
@@ -166,17 +173,21 @@ def summary_text(summary: dict[str, Any]) -> str:
     rss = ", ".join(f"{r / MIB:.0f}" for r in s["peak_rss_bytes_per_rank"])
     est = s.get("estimate_bytes_per_rank")
     est_text = f" (dry-run estimate {est / MIB:.0f} MiB)" if est else ""
+    memory = f"peak RSS per rank (MiB): {rss}{est_text}"
+    if s.get("device") == "cuda":
+        gpu = ", ".join(f"{r / MIB:.0f}" for r in s["peak_device_bytes_per_rank"])
+        memory = f"peak GPU memory in use per rank's GPU (MiB): {gpu}{est_text}; peak RSS (MiB): {rss}"
     p = s["params"]
     lines = [
         (f"hyperparallel train: {s['steps_run']} steps in {duration(s['wall_s'])}, "
          f"{human(s['tokens'])} tokens, {human(s['tokens_per_s'])} tokens/s (median step {s['step_s_median']:.3f} s)"),
         (f"  model    {s['model']}: {human(p['total'])} params ({human(p['active'])} active per token), "
-         f"{s['world_size']} ranks, {s['optimizer']}, {s['precision']}, patch {'on' if s['patch'] else 'off'}, "
+         f"{s['world_size']} ranks ({s['device']}), {s['optimizer']}, {s['precision']}, patch {'on' if s['patch'] else 'off'}, "
          f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}"),
         (f"  batch    {s['global_batch']} x {s['seq_len']} tokens per step = {s['micro_batch']} per rank x "
          f"{s['accumulation']} micro-batches x {s['world_size']} ranks"),
         f"  loss     {s['first_loss']:.4f} (step {s['first_step']}) -> {s['last_loss']:.4f} (step {s['last_step']})",
-        f"  memory   peak RSS per rank (MiB): {rss}{est_text}",
+        f"  memory   {memory}",
         f"  time     {parts}  (per step, mean over ranks)",
         (f"  outputs  {s['output_dir']}: metrics.jsonl, summary.json"
          + (", loss.png" if s.get("plot") else "")

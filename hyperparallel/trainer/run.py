@@ -20,6 +20,7 @@ from hyperparallel.trainer.config import (
     check_vocab,
     check_world,
     load_config,
+    resolve_device,
 )
 
 # oneDNN (bf16 GEMMs on the CPU) keeps a compiled primitive per GEMM shape in two caches.
@@ -49,12 +50,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML config (docs/train.md lists every key)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. optim.lr=1e-3")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks on this machine (default 1; under torchrun its --nproc-per-node)")
+                        help="ranks on this machine (default: one per GPU on CUDA, else 1; under torchrun its "
+                             "--nproc-per-node)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the plan and the memory estimate per rank, train nothing")
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in output.dir, deleting what a previous run left there")
     return parser
+
+
+def _default_nproc(device: str) -> int:
+    """One rank per GPU on CUDA; one rank on the CPU (each rank uses every core it is given)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return 1
 
 
 def check_output(cfg: Config, overwrite: bool) -> str:
@@ -103,9 +114,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        nproc = args.nproc or 1
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+        nproc = args.nproc or _default_nproc(resolve_device(cfg))
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else nproc
         check_world(cfg, world)
         if args.dry_run:

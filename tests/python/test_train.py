@@ -36,7 +36,7 @@ def _train(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 def _short(tmp: Path, out: str, *extra: str) -> list[str]:
     return [f"data.tokens={tmp / 'data' / 'stories.bin'}", f"output.dir={tmp / out}", f"train.steps={STEPS}",
-            "optim.warmup_steps=3", "checkpoint.every=6", *extra]
+            "optim.warmup_steps=3", "checkpoint.every=6", "train.device=cpu", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path, capsys):
     args = [f"model.config={tmp_path / 'medium.json'}", "model.activation_checkpointing=true",
             "model.mixed_precision=bfloat16",
             "train.micro_batch=2", "train.global_batch=8", "data.seq_len=128", *_short(tmp, "medium")[:2],
-            "train.steps=3", "checkpoint.final=false", "output.plot=false"]
+            "train.steps=3", "checkpoint.final=false", "output.plot=false", "train.device=cpu"]
     assert main(["train", str(DEFAULT), "--nproc", "2", "--dry-run", *args]) == 0
     plan = capsys.readouterr().out
     assert "2 per rank x 2 micro-batches x 2 ranks" in plan and "activations" in plan and "bfloat16" in plan

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hyperparallel.cli import main
-from hyperparallel.trainer.config import ConfigError, load_config
+from hyperparallel.trainer.config import ConfigError, load_config, resolve_device
 from hyperparallel.trainer.data import TokenLoader
 from hyperparallel.trainer.tokenize import prepare
 
@@ -67,6 +68,19 @@ def test_batch_not_divisible_by_world(tmp_path, capsys):
     assert "train.global_batch=16 is not divisible by train.micro_batch x world size = 8 x 3 = 24" in err
     assert "or run on 1 / 2 ranks" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where torch sees no GPU")
+def test_cuda_without_a_gpu_is_refused_and_auto_takes_the_cpu(tmp_path, capsys):
+    status, err = _train([str(DEFAULT), *_base(tmp_path), "train.device=cuda", "--dry-run"], capsys)
+    assert status == 2
+    assert "train.device is cuda but torch" in err and "sees no GPU" in err and "set train.device=cpu" in err
+    with pytest.raises(ConfigError, match="'train.device' must be one of auto, cpu, cuda; got 'gpu'"):
+        load_config(DEFAULT, ["train.device=gpu"])
+    cfg = load_config(DEFAULT)
+    assert cfg.train.device == "auto" and resolve_device(cfg) == "cpu"
+    status, out = _train([str(DEFAULT), *_base(tmp_path), "--dry-run"], capsys)
+    assert status == 0 and "over 1 ranks (CPU)" in out and "peak RSS per rank" in out
 
 
 def test_missing_files(tmp_path, capsys):
