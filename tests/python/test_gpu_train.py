@@ -3,12 +3,11 @@ default learns, its dry-run GPU estimate is near the measured peak, a run checkp
 CPU resumes on the GPU, and 2 ranks sharing the GPU start where 1 rank does."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_train import DEFAULT, _train
 
 from hyperparallel.trainer.config import load_config
 from hyperparallel.trainer.estimate import estimate
@@ -16,17 +15,7 @@ from hyperparallel.trainer.report import read_metrics
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT = REPO / "examples" / "default.yaml"
 STEPS = 8
-
-
-def _train(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), *args]
-    result = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=240)
-    if result.returncode:
-        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    return result
 
 
 def _short(tmp: Path, out: str, *extra: str) -> list[str]:
@@ -37,7 +26,7 @@ def _short(tmp: Path, out: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def gpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_train")
-    result = _train("--nproc", "1", *_short(tmp, "gpu", "train.device=cuda"))
+    result = _train(*_short(tmp, "gpu", "train.device=cuda"), nproc=1)
     return tmp, result
 
 
@@ -62,8 +51,8 @@ def test_dry_run_gpu_estimate_near_the_measured_peak(gpu_run):
 
 def test_a_cpu_checkpoint_resumes_on_the_gpu(gpu_run):
     tmp, _ = gpu_run
-    _train("--nproc", "1", *_short(tmp, "moved", "train.device=cpu", "train.stop_at=4"))
-    result = _train("--nproc", "1", *_short(tmp, "moved", "train.device=cuda"))
+    _train(*_short(tmp, "moved", "train.device=cpu", "train.stop_at=4"), nproc=1)
+    result = _train(*_short(tmp, "moved", "train.device=cuda"), nproc=1)
     assert "resumed from" in result.stdout and "at step 4" in result.stdout
     moved = [r["loss"] for r in read_metrics(tmp / "moved" / "metrics.jsonl")]
     gpu = [r["loss"] for r in read_metrics(tmp / "gpu" / "metrics.jsonl")]
@@ -76,7 +65,7 @@ def test_two_ranks_sharing_the_gpu_start_where_one_does(gpu_run):
     if torch.cuda.device_count() > 1:
         pytest.skip("checks ranks sharing one GPU")
     tmp, _ = gpu_run
-    _train("--nproc", "2", *_short(tmp, "two", "train.device=cuda", "train.stop_at=3", "checkpoint.final=false"))
+    _train(*_short(tmp, "two", "train.device=cuda", "train.stop_at=3", "checkpoint.final=false"), nproc=2)
     two = [r["loss"] for r in read_metrics(tmp / "two" / "metrics.jsonl")]
     one = [r["loss"] for r in read_metrics(tmp / "gpu" / "metrics.jsonl")][:3]
     # The same global batches split over two ranks: the same losses but for summation order.

@@ -26,8 +26,8 @@ DEFAULT = REPO / "examples" / "default.yaml"
 STEPS = 12
 
 
-def _train(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", "2", *args]
+def _train(*args: str, cwd: Path = REPO, nproc: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", str(nproc), *args]
     result = subprocess.run(command, check=False, cwd=cwd, capture_output=True, text=True, timeout=300)
     if result.returncode:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
