@@ -111,6 +111,9 @@ class DeviceMuon : public MuonPlan {
   std::pair<int64_t, int64_t> shard_rows(const Matrix& matrix, int64_t shard) const;
   // Byte offset of row `row` of `matrix` in its owner's buffer.
   int64_t owned_at(const Matrix& matrix, int64_t row) const;
+  // Byte offset of this rank's rows of sharded `matrix` in its own buffer:
+  // in its owned section if it owns the matrix, else in its rows section.
+  int64_t my_rows_at(const Matrix& matrix) const;
   // This rank's rows of `matrix` in its own buffer: where it writes them and
   // where it reads the result.
   at::Tensor my_rows(const Matrix& matrix) const;
@@ -385,12 +388,15 @@ int64_t DeviceMuon::owned_at(const Matrix& matrix, int64_t row) const {
   return pool.owned_begin[matrix.owner] + matrix.index * pool.bytes() + row * pool.cols * 2;
 }
 
+int64_t DeviceMuon::my_rows_at(const Matrix& matrix) const {
+  return matrix.owner == me() ? owned_at(matrix, shard_rows(matrix, rank_).first) : matrix.rows_at[rank_];
+}
+
 at::Tensor DeviceMuon::my_rows(const Matrix& matrix) const {
   const Pool& pool = pools_[matrix.pool];
   if (!pool.sharded) return pool.batch.select(0, matrix.index);
-  auto [begin, count] = shard_rows(matrix, rank_);
-  const int64_t at = matrix.owner == me() ? owned_at(matrix, begin) : matrix.rows_at[rank_];
-  return bytes_.narrow(0, at, count * pool.cols * 2).view(at::kBFloat16).view({count, pool.cols});
+  const int64_t count = shard_rows(matrix, rank_).second;
+  return bytes_.narrow(0, my_rows_at(matrix), count * pool.cols * 2).view(at::kBFloat16).view({count, pool.cols});
 }
 
 int DeviceMuon::home_node(const Matrix& matrix, int local) const {
@@ -421,15 +427,13 @@ void DeviceMuon::plan_exchanges() {
     int64_t filled = 0;
     for (const Matrix& matrix : matrices_) {
       if (matrix.pool != int(p)) continue;
-      auto [begin, count] = shard_rows(matrix, rank_);
-      const int64_t bytes = count * pool.cols * 2;
+      const int64_t count = shard_rows(matrix, rank_).second, bytes = count * pool.cols * 2;
       if (count == 0) continue;
       if (rounds[p].empty() || (filled > 0 && filled + bytes > limit)) {
         rounds[p].emplace_back(nodes_);
         filled = 0;
       }
-      const int64_t at = matrix.owner == me() ? owned_at(matrix, begin) : matrix.rows_at[rank_];
-      rounds[p].back()[matrix.owner / ranks_].push_back(Piece{local + at, bytes});
+      rounds[p].back()[matrix.owner / ranks_].push_back(Piece{local + my_rows_at(matrix), bytes});
       filled += bytes;
     }
     for (const Round& round : rounds[p]) {

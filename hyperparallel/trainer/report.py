@@ -20,11 +20,11 @@ class Phases:
     taken out of the phase they happened in and counted as ``comm_wait``. On a GPU each phase
     ends when the work it queued is done (a synchronize), so that its time is its own."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         from hyperparallel.fsdp import comm_wait_seconds
 
         self._waits = comm_wait_seconds
-        self._device = device if device is not None and device.type == "cuda" else None
+        self._device = device if device.type == "cuda" else None
         self.times = dict.fromkeys(PHASES, 0.0)
 
     def reset(self) -> None:
@@ -45,9 +45,9 @@ def summarize(run: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any
     """Rank 0's summary: ``run`` (what it knows of the run) and what every rank measured.
 
     ``ranks[r]`` holds rank r's ``peak_rss_bytes``, ``peak_device_bytes`` (its GPU's memory
-    in use, 0 on the CPU) and ``per_step`` (its phase times per step). A step takes as long as its slowest rank (the others wait for it); phases are
-    means over ranks. The first step is left out when there are more than 3: it builds
-    plans and touches memory.
+    in use, 0 on the CPU) and ``per_step`` (its phase times per step). A step takes as long
+    as its slowest rank (the others wait for it); phases are means over ranks. The first
+    step is left out when there are more than 3: it builds plans and touches memory.
     """
     steps = len(ranks[0]["per_step"])
     kept = range(1 if steps > 3 else 0, steps)
@@ -174,7 +174,7 @@ def summary_text(summary: dict[str, Any]) -> str:
     est = s.get("estimate_bytes_per_rank")
     est_text = f" (dry-run estimate {est / MIB:.0f} MiB)" if est else ""
     memory = f"peak RSS per rank (MiB): {rss}{est_text}"
-    if s.get("device") == "cuda":
+    if s["device"] == "cuda":
         gpu = ", ".join(f"{r / MIB:.0f}" for r in s["peak_device_bytes_per_rank"])
         memory = f"peak GPU memory in use per rank's GPU (MiB): {gpu}{est_text}; peak RSS (MiB): {rss}"
     p = s["params"]
@@ -182,8 +182,8 @@ def summary_text(summary: dict[str, Any]) -> str:
         (f"hyperparallel train: {s['steps_run']} steps in {duration(s['wall_s'])}, "
          f"{human(s['tokens'])} tokens, {human(s['tokens_per_s'])} tokens/s (median step {s['step_s_median']:.3f} s)"),
         (f"  model    {s['model']}: {human(p['total'])} params ({human(p['active'])} active per token), "
-         f"{s['world_size']} ranks ({s['device']}), {s['optimizer']}, {s['precision']}, patch {'on' if s['patch'] else 'off'}, "
-         f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}"),
+         f"{s['world_size']} ranks ({s['device']}), {s['optimizer']}, {s['precision']}, "
+         f"patch {'on' if s['patch'] else 'off'}, activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}"),
         (f"  batch    {s['global_batch']} x {s['seq_len']} tokens per step = {s['micro_batch']} per rank x "
          f"{s['accumulation']} micro-batches x {s['world_size']} ranks"),
         f"  loss     {s['first_loss']:.4f} (step {s['first_step']}) -> {s['last_loss']:.4f} (step {s['last_step']})",
