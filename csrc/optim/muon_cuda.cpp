@@ -40,6 +40,7 @@
 #include "hyperparallel/comm/communicator.h"
 #include "hyperparallel/fabric/device.h"
 #include "hyperparallel/optim/muon.h"
+#include "muon_kernels_cuda.h"
 #include "muon_plan.h"
 
 namespace hp::optim {
@@ -53,6 +54,9 @@ constexpr int64_t kAlign = 256;  // sections and pools start where cudaMalloc's 
 constexpr int64_t kExchangeBytes = int64_t(512) << 20;
 
 int64_t align_up(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// A parameter, gradient or momentum the one-pass kernels take.
+bool plain_fp32(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); }
 
 fabric::StreamHandle current_stream(c10::Device device) {
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
@@ -523,19 +527,27 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
   // torch.optim.Muon's momentum on this rank's rows; the update's rows, in
   // bfloat16, where their owner will read them. The nesterov update is
   // computed in float32 and rounded as it is stored: lerp then copy's bits,
-  // without the float32 update in between.
+  // without the float32 update in between. One pass per run (its rows of the
+  // gradient and momentum in, the momentum and the update out) where the
+  // tensors are plain; ATen's lerp_ and lerp otherwise, the same bits.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
+    auto rows_of = [&](const at::Tensor& t, const Run& run) {
+      return params_[i].shape.size() == 2 ? t : t.narrow(0, run.first, run.rows.size(0));
+    };
+    if (plain_fp32(grads[i]) && plain_fp32(momentum[i])) {
+      for (const Run& run : runs_[i])
+        cuda::momentum(rows_of(momentum[i], run).data_ptr<float>(), rows_of(grads[i], run).const_data_ptr<float>(),
+                       static_cast<uint16_t*>(run.rows.data_ptr()), run.rows.numel(), o.momentum, o.nesterov, stream);
+      continue;
+    }
     momentum[i].lerp_(grads[i], 1.0 - o.momentum);
     for (const Run& run : runs_[i]) {
-      auto rows_of = [&](const at::Tensor& t) {
-        return params_[i].shape.size() == 2 ? t : t.narrow(0, run.first, run.rows.size(0));
-      };
       at::Tensor rows = run.rows;
       if (o.nesterov)
-        at::lerp_out(rows, rows_of(grads[i]), rows_of(momentum[i]), o.momentum);
+        at::lerp_out(rows, rows_of(grads[i], run), rows_of(momentum[i], run), o.momentum);
       else
-        rows.copy_(rows_of(momentum[i]));
+        rows.copy_(rows_of(momentum[i], run));
     }
   }
   if (written_) {
@@ -562,14 +574,23 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
     results_pulled_.wait(stream);
   }
 
-  // torch.optim.Muon's update on this rank's rows.
+  // torch.optim.Muon's update on this rank's rows: one pass per run (the
+  // runs cover the local parameter) where it is plain, else mul_ and add_.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const StepOptions& o = options[i];
     const auto& shape = params_[i].shape;
     const double alpha = -plan::adjusted_lr(o, shape[shape.size() - 2], shape.back());
-    params[i].mul_(1.0 - o.lr * o.weight_decay);
-    for (const Run& run : runs_[i])
-      (shape.size() == 2 ? params[i] : params[i].narrow(0, run.first, run.rows.size(0))).add_(run.rows, alpha);
+    const double decay = 1.0 - o.lr * o.weight_decay;
+    const bool one_pass = plain_fp32(params[i]);
+    if (!one_pass) params[i].mul_(decay);
+    for (const Run& run : runs_[i]) {
+      at::Tensor rows = shape.size() == 2 ? params[i] : params[i].narrow(0, run.first, run.rows.size(0));
+      if (one_pass)
+        cuda::apply(rows.data_ptr<float>(), static_cast<const uint16_t*>(run.rows.const_data_ptr()), rows.numel(),
+                    float(decay), float(alpha), stream);
+      else
+        rows.add_(run.rows, alpha);
+    }
   }
 }
 

@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <functional>
+#include <string>
+#include <utility>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -129,17 +132,71 @@ void torch_rounds_(const at::Tensor& matrix, const NsOptions& options) {
   matrix.copy_(tall ? x.t() : x);
 }
 
+// On a GPU, X Xᵀ and b G + c G G are symmetric, so each can be three
+// products of halves instead of one of the whole: the two diagonal blocks
+// and the upper one, each written into place by a batched cuBLAS call, then
+// the lower block copied as the upper one's transpose. That is 3/4 of those
+// two products' work (B X, the round's third, stays whole); the operands are
+// torch's own (row and column blocks of X, Xᵀ and G), so only the blocks'
+// GEMM shapes differ from torch's calls. For m a multiple of 16 (each block
+// 16-byte aligned) and large enough that the halves stay large GEMMs.
+// HP_NS_SYMMETRIC=0 computes the whole products, as torch does.
+constexpr int64_t kHalvesMin = 256;
+
+bool symmetric_halves(int64_t m) {
+  if (m % 16 != 0 || m < kHalvesMin) return false;
+  const char* value = std::getenv("HP_NS_SYMMETRIC");
+  const std::string setting = value ? value : "";
+  TORCH_CHECK(setting.empty() || setting == "0" || setting == "1", "HP_NS_SYMMETRIC must be 0 or 1, got '", setting,
+              "' (docs/env.md)");
+  return setting != "0";
+}
+
+at::Tensor block(const at::Tensor& t, int64_t i, int64_t j, int64_t h) {
+  return t.narrow(1, i * h, h).narrow(2, j * h, h);
+}
+
+// out = beta * addend + alpha * left right, over the blocks (i, j) of the
+// upper triangle and the diagonal; left's row block i times right's column
+// block j; then the lower block from the upper one.
+void symmetric_product(at::Tensor& out, const at::Tensor& left, const at::Tensor& right, const at::Tensor* addend,
+                       double beta, double alpha) {
+  const int64_t h = out.size(1) / 2;
+  for (auto [i, j] : {std::pair<int64_t, int64_t>{0, 0}, {1, 1}, {0, 1}}) {
+    at::Tensor target = block(out, i, j, h);
+    const at::Tensor rows = left.narrow(1, i * h, h), columns = right.narrow(2, j * h, h);
+    if (addend)
+      at::baddbmm_out(target, block(*addend, i, j, h), rows, columns, beta, alpha);
+    else
+      at::bmm_out(target, rows, columns);
+  }
+  block(out, 1, 0, h).copy_(block(out, 0, 1, h).transpose(1, 2));
+}
+
 // On a GPU: torch's rounds for a group of matrices at once, each product one
-// batched cuBLAS call (bmm, baddbmm with torch's alpha and beta), and every
-// matrix's Frobenius norm in one reduction.
+// batched cuBLAS call (bmm, baddbmm with torch's alpha and beta) or, for the
+// symmetric ones, three (above), and every matrix's Frobenius norm in one
+// reduction.
 void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
   const bool tall = batch.size(1) > batch.size(2);
   at::Tensor wide = tall ? batch.transpose(1, 2) : batch;
   at::Tensor norms = at::linalg_vector_norm(wide, 2, at::IntArrayRef{1, 2}, /*keepdim=*/true).clamp_min(options.eps);
   at::Tensor x = at::div(wide, norms).contiguous();
+  const int64_t count = x.size(0), m = x.size(1);
+  const bool halves = symmetric_halves(m);
+  at::Tensor gram, update;
+  if (halves) {
+    gram = at::empty({count, m, m}, x.options());
+    update = at::empty_like(gram);
+  }
   for (int64_t step = 0; step < options.steps; ++step) {
-    at::Tensor gram = at::bmm(x, x.transpose(1, 2));
-    at::Tensor update = at::baddbmm(gram, gram, gram, options.b, options.c);
+    if (halves) {
+      symmetric_product(gram, x, x.transpose(1, 2), nullptr, 0.0, 1.0);
+      symmetric_product(update, gram, gram, &gram, options.b, options.c);
+    } else {
+      gram = at::bmm(x, x.transpose(1, 2));
+      update = at::baddbmm(gram, gram, gram, options.b, options.c);
+    }
     // A wide batch's last round lands in the batch itself: no copy after.
     if (!tall && step == options.steps - 1) {
       at::Tensor out = batch;
