@@ -6,7 +6,8 @@
 // - This rank's rows of every parameter live in device memory its peers map
 //   (fabric::PeerMemory): the DTensor shards the optimizer updates in place.
 //   With mixed precision the owner also casts them, once per iteration, into
-//   a low-precision copy that the peers read instead.
+//   a low-precision copy that the peers read instead (a rank alone on its
+//   node keeps no copy: it casts its rows into the full parameters).
 // - Unsharding pulls every rank's rows straight into the full parameters'
 //   storage (one flat allocation from torch's caching allocator, the
 //   parameters views of it) with batched copies on the copy engines, on an
@@ -247,7 +248,9 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
     // Each rank contributes the rows it owns, as FSDP2 keeps each rank's chunk.
     shard_views_[i].copy_(params[i].detach().narrow(0, rows.begin, rows.size()));
   }
-  if (compute_dtype_ != dtype_) {
+  // Peers read a low-precision copy of the rows; a rank alone on its node
+  // keeps none and casts its rows straight into the full parameters.
+  if (compute_dtype_ != dtype_ && ranks() > 1) {
     compute_shard_ = std::make_shared<fabric::PeerMemory>(fabric, index,
                                                           layout_.shard_capacity * c10::elementSize(compute_dtype_));
     compute_shard_flat_ = over(compute_shard_, layout_.shard_capacity, compute_dtype_, device_);
@@ -325,18 +328,24 @@ void CudaParamGroup::begin_unshard() {
   const auto started = std::chrono::steady_clock::now();
   shard_ready_->wait_all(publish_round_, all_gather, "unshard (waiting for peers' rows)");
   context_->count_wait(started);
-  const std::size_t esize = c10::elementSize(compute_dtype_);
-  char* full = static_cast<char*>(full_flat_.data_ptr());
-  const auto& sources = compute_shard_ ? compute_shard_->peers() : shard_->peers();
-  fabric::CopyBatch copies;
-  for (int r = 0; r < ranks(); ++r) {
-    for (std::size_t i = 0; i < layout_.numel.size(); ++i) {
-      const int64_t begin = layout_.full_offset[i] + int64_t(layout_.shard_rows[r][i].begin) * layout_.row_elems[i];
-      copies.add(full + begin * esize, static_cast<const char*>(sources[r]) + layout_.shard_offset[r][i] * esize,
-                 layout_.shard_numel(r, i) * esize);
+  if (compute_dtype_ != dtype_ && !compute_shard_) {
+    // Alone on the node: the cast is the all-gather.
+    c10::StreamGuard on(state_.all_gather);
+    for (std::size_t i = 0; i < full_views_.size(); ++i) full_views_[i].copy_(shard_views_[i]);
+  } else {
+    const std::size_t esize = c10::elementSize(compute_dtype_);
+    char* full = static_cast<char*>(full_flat_.data_ptr());
+    const auto& sources = compute_shard_ ? compute_shard_->peers() : shard_->peers();
+    fabric::CopyBatch copies;
+    for (int r = 0; r < ranks(); ++r) {
+      for (std::size_t i = 0; i < layout_.numel.size(); ++i) {
+        const int64_t begin = layout_.full_offset[i] + int64_t(layout_.shard_rows[r][i].begin) * layout_.row_elems[i];
+        copies.add(full + begin * esize, static_cast<const char*>(sources[r]) + layout_.shard_offset[r][i] * esize,
+                   layout_.shard_numel(r, i) * esize);
+      }
     }
+    copies.run(all_gather);
   }
-  copies.run(all_gather);
   pulled_->post(all_gather);
   unsharded_at_.record(all_gather);
   pull_pending_ = true;

@@ -143,8 +143,9 @@ def test_hsdp_2x2_on_cuda_equals_one_process():
         assert_params_close(params, expected_params, 1e-4)
 
 
-def torch_fsdp2_bf16() -> list[float]:
-    """torch's FSDP2 with bf16 mixed precision on one rank (NCCL runs one rank per GPU)."""
+def torch_fsdp2_bf16(world: int = 2) -> list[float]:
+    """torch's FSDP2 with bf16 mixed precision on one rank (NCCL runs one rank per GPU), on the
+    global batches of ``world`` ranks."""
     dist.init_process_group("cpu:gloo,cuda:nccl")
     device = _device()
     mesh = init_device_mesh("cuda", (1,))
@@ -155,9 +156,9 @@ def torch_fsdp2_bf16() -> list[float]:
     torch_fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
-    for batch in batches(2):
+    for batch in batches(world):
         batch = batch.to(device)
-        loss = sum(model(b, labels=b).loss for b in batch.chunk(2)) / 2
+        loss = sum(model(b, labels=b).loss for b in batch.chunk(world)) / world
         loss.backward()
         losses.append(loss.item())
         opt.step()
@@ -176,6 +177,19 @@ def test_bf16_mixed_precision_within_fsdp2s_own_deviation():
         print(f"bf16 max |loss - fp32 loss|: hp (2 ranks) {our_deviation:.3g}, torch FSDP2 {their_deviation:.3g}")
         # Both round the same parameters to bf16; they differ in where the fp32 sums happen.
         assert our_deviation <= 2 * their_deviation + 1e-3
+
+
+def test_bf16_mixed_precision_on_one_rank_within_fsdp2s_own_deviation():
+    # Alone on its node a rank keeps no bf16 copy of its shard: it casts straight into the full
+    # parameters, the bits FSDP2's own cast gives.
+    ours, _, _ = run(hp_on_cuda, nproc=1, args=(True, True))[0]
+    theirs = run(torch_fsdp2_bf16, nproc=1, args=(1,))[0]
+    reference, _ = one_process(world=1)
+    their_deviation = max(abs(a - b) for a, b in zip(theirs, reference))
+    our_deviation = max(abs(a - b) for a, b in zip(ours, reference))
+    print(f"bf16 max |loss - fp32 loss|, 1 rank: hp {our_deviation:.3g}, torch FSDP2 {their_deviation:.3g}; "
+          f"hp vs FSDP2 {max(abs(a - b) for a, b in zip(ours, theirs)):.3g}")
+    assert our_deviation <= 2 * their_deviation + 1e-3
 
 
 def clip_and_checkpoint(path: str) -> tuple:
