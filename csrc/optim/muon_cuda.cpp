@@ -16,8 +16,11 @@
 // copy engines; the three hand-overs are DeviceSignal rounds, so the host
 // never waits on the GPU.
 //
-// Parameters that are not sharded are orthogonalised by the process that
-// holds them, batched per shape. Sharded parameters must be sharded within a
+// Parameters that are not sharded (and every parameter of a one-rank job)
+// are orthogonalised by the process that holds them, batched per shape, in
+// memory lent by torch's caching allocator for the step only: the step runs
+// when the activations are gone, so the next forward reuses that memory and
+// the bf16 copies add nothing to the peak. Sharded parameters must be sharded within a
 // node (hp.fully_shard's layout): on one node, or replicated across nodes
 // (HSDP). There every node holds every shard and, after HSDP's all-reduce,
 // the same gradients, so each matrix is orthogonalised on one node only and
@@ -148,6 +151,12 @@ class DeviceMuon : public MuonPlan {
     at::Tensor rows;    // [count, rows, cols] for experts, [rows, cols] for a matrix
   };
   std::vector<std::vector<Run>> runs_;  // per parameter
+  // The private pools' batches: views of one storage that holds memory only
+  // during a step (lend_private, release_private).
+  at::Tensor private_;
+  int64_t private_bytes_ = 0;
+  void lend_private();
+  void release_private();
   c10::Stream results_stream_;          // the results' pulls, beside the next pool's Newton-Schulz
   fabric::DeviceEvent results_pulled_;
   std::vector<std::vector<Exchange>> exchanges_;  // per pool, its rounds (several nodes only)
@@ -172,6 +181,13 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
   }
   if (any_sharded) {
     TORCH_CHECK(comm_, "hp.optim.Muon: sharded (DTensor) parameters need the fabric; call hp.comm.init() first");
+    // One rank's shards are whole parameters: private, like plain ones.
+    if (comm_->topology().world_size == 1) {
+      for (ParamSpec& spec : params_) spec.sharded = false;
+      any_sharded = false;
+    }
+  }
+  if (any_sharded) {
     const fabric::Topology& topology = comm_->topology();
     rank_ = topology.local_rank;
     ranks_ = topology.local_world_size;
@@ -278,13 +294,22 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     for (std::size_t p = 0; p < pools_.size(); ++p)
       solved_.push_back(std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index()));
   }
+  // This process's own matrices: each private pool a batch in the private
+  // storage, allocated here to make the views, and released until a step.
+  std::vector<int64_t> private_at(pools_.size(), 0), private_count(pools_.size(), 0);
+  for (Matrix& matrix : matrices_)
+    if (!pools_[matrix.pool].sharded) matrix.index = private_count[matrix.pool]++;
+  for (std::size_t p = 0; p < pools_.size(); ++p) {
+    private_at[p] = private_bytes_;
+    if (!pools_[p].sharded) private_bytes_ += align_up(private_count[p] * pools_[p].bytes());
+  }
+  private_ = at::empty({private_bytes_}, at::TensorOptions().dtype(at::kByte).device(device_));
   for (std::size_t p = 0; p < pools_.size(); ++p) {
     Pool& pool = pools_[p];
-    if (!pool.sharded) {  // this process's own matrices: a private batch
-      int64_t count = 0;
-      for (Matrix& matrix : matrices_)
-        if (matrix.pool == int(p)) matrix.index = count++;
-      pool.batch = at::empty({count, pool.rows, pool.cols}, at::TensorOptions().dtype(at::kBFloat16).device(device_));
+    if (!pool.sharded) {
+      const int64_t count = private_count[p];
+      pool.batch =
+          private_.narrow(0, private_at[p], count * pool.bytes()).view(at::kBFloat16).view({count, pool.rows, pool.cols});
       continue;
     }
     const int64_t count = pool.owned_count[me()];
@@ -366,6 +391,23 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
     }
     flush();
   }
+  release_private();
+}
+
+void DeviceMuon::lend_private() {
+  if (private_bytes_ == 0) return;
+  // From the caching allocator on the current stream, which alone touches
+  // the private batches; released back to it on that stream.
+  at::Tensor fresh = at::empty({private_bytes_}, at::TensorOptions().dtype(at::kByte).device(device_));
+  c10::StorageImpl* storage = private_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(std::move(fresh.storage().unsafeGetStorageImpl()->mutable_data_ptr()));
+  storage->set_nbytes(private_bytes_);
+}
+
+void DeviceMuon::release_private() {
+  c10::StorageImpl* storage = private_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+  storage->set_nbytes(0);
 }
 
 DeviceMuon::~DeviceMuon() {
@@ -523,6 +565,7 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
   const fabric::StreamHandle stream = current_stream(device_);
   // Peers have finished reading this rank's buffer from the last step.
   if (read_ && read_->posted() > 0) read_->wait_all(read_->posted(), stream, "hp.optim.Muon (peers finishing the last step)");
+  lend_private();
 
   // torch.optim.Muon's momentum on this rank's rows; the update's rows, in
   // bfloat16, where their owner will read them. The nesterov update is
@@ -592,6 +635,7 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
         rows.add_(run.rows, alpha);
     }
   }
+  release_private();
 }
 
 std::vector<std::pair<int64_t, int64_t>> DeviceMuon::owned() const {

@@ -133,6 +133,33 @@ def _assert_close(label: str, full: list[torch.Tensor], initial: list, expected:
     assert worst <= 0.05 * change
 
 
+def test_private_batches_hold_no_memory_between_steps():
+    # The bf16 copies Newton-Schulz works on live for the step only (the caching allocator's
+    # memory, reused by the next forward); what stays is the momentum.
+    device = torch.device("cuda", 0)
+    ours = _params(0, device)
+    optimizer = hpo.Muon(ours, lr=2e-3, adjust_lr_fn="match_rms_adamw")
+    for p, g in zip(ours, _grads(0, device)):
+        p.grad = g
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    optimizer.step()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(device) - before
+    momentum = sum(optimizer.state[p]["momentum_buffer"].nbytes for p in ours)
+    copies = sum(p.numel() * 2 for p in ours)
+    assert momentum <= held < momentum + copies // 4, (held, momentum, copies)
+
+
+def test_one_rank_fully_sharded_equals_one_process():
+    # One rank's shards are whole parameters: the plan treats them as plain ones (no peer memory).
+    (full,), ranks = run(sharded_muon, nproc=1, args=(10,))[0]
+    initial, expected = _one_process(10)
+    _assert_each_matrix_once(ranks, 10)
+    assert ranks[0]["peer_bytes"] == 0
+    _assert_close("1 rank, hp.fully_shard", full, initial, expected)
+
+
 def test_two_ranks_sharing_the_gpu_equal_one_process():
     results = run(sharded_muon, nproc=2, args=(10,))
     initial, expected = _one_process(10)
