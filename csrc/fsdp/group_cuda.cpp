@@ -177,6 +177,11 @@ class CudaParamGroup : public ParamGroup {
   void allocate_full();
   void free_full();
   void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output);
+  // run_reduce's two ways: alone on the node (this rank's gradients are the
+  // sum), or through a window every rank of the node reads.
+  void reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output, float scale);
+  void reduce_window(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output, float scale,
+                     StreamHandle stream);
   StreamHandle compute() const { return handle(current_stream(device_)); }
   int rank() const { return communicator_->node().rank(); }
   int ranks() const { return communicator_->node().size(); }
@@ -263,7 +268,8 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
   free_full();
   shard_ready_ = std::make_unique<fabric::DeviceSignal>(fabric, index);
   pulled_ = std::make_unique<fabric::DeviceSignal>(fabric, index);
-  state_.reserve(layout_.full_elems * c10::elementSize(grad_dtype_));
+  // A rank alone on its node reduces its own gradients in place: no window.
+  if (ranks() > 1) state_.reserve(layout_.full_elems * c10::elementSize(grad_dtype_));
 }
 
 CudaParamGroup::~CudaParamGroup() {
@@ -397,6 +403,40 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
   c10::StreamGuard on(state_.reduce_scatter);  // the ATen casts below run there too
   const StreamHandle stream = handle(state_.reduce_scatter);
   grads_at_.wait(stream);
+  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
+  const float scale = 1.0f / float(ranks() * replicas);
+  if (ranks() == 1) {
+    reduce_alone(grads, output, scale);
+  } else {
+    reduce_window(grads, output, scale, stream);
+  }
+  if (options_.replicate) {
+    std::vector<at::Tensor> tensors{output};
+    options_.replicate->allreduce(tensors)->wait();
+  }
+  reduced_at_.record(stream);
+}
+
+void CudaParamGroup::reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
+                                  float scale) {
+  // What the window's kernel computes for one input: each gradient rounded
+  // to the reduce dtype, times the scale, rounded to the shard's dtype.
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    at::Tensor rows = output.narrow(0, layout_.shard_offset[0][i], layout_.numel[i]);
+    if (!grads[i]) {
+      rows.zero_();
+      continue;
+    }
+    const at::Tensor grad = grads[i]->to(grad_dtype_).reshape({-1});
+    if (scale == 1.0f)
+      rows.copy_(grad);
+    else
+      at::mul_out(rows, grad.to(at::kFloat), scale);
+  }
+}
+
+void CudaParamGroup::reduce_window(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
+                                   float scale, StreamHandle stream) {
   GradWindow& window = state_.next();
   if (window.done->posted() > 0)
     window.done->wait_all(window.done->posted(), stream, "reduce-scatter (peers finishing the last reduction)");
@@ -422,8 +462,6 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
     segments.push_back(
         comm::ReduceSegment{uint64_t(src), uint64_t(layout_.shard_offset[rank()][i]), uint64_t(layout_.shard_numel(rank(), i))});
   }
-  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
-  const float scale = 1.0f / float(ranks() * replicas);
   std::vector<const void*> inputs(window.memory->peers().begin(), window.memory->peers().end());
   // The kernel narrows nothing from fp32: an fp32 reduction for bf16
   // parameters lands in fp32 first.
@@ -433,11 +471,6 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
                       segments, scale, stream);
   window.done->post(stream);
   if (narrowing) output.copy_(target);
-  if (options_.replicate) {
-    std::vector<at::Tensor> tensors{output};
-    options_.replicate->allreduce(tensors)->wait();
-  }
-  reduced_at_.record(stream);
 }
 
 std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {

@@ -143,6 +143,25 @@ def test_hsdp_2x2_on_cuda_equals_one_process():
         assert_params_close(params, expected_params, 1e-4)
 
 
+def test_fp32_training_on_one_rank_equals_one_process():
+    # Alone on its node a rank reduces its own gradients in place (no gradient window).
+    losses, params, _ = run(hp_on_cuda, nproc=1, args=(True, False))[0]
+    expected_losses, expected_params = one_process(world=1)
+    assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
+    assert_params_close(params, expected_params, 1e-4)
+
+
+def test_hsdp_one_rank_per_node_on_cuda_equals_one_process(monkeypatch):
+    # Each node's one rank scales its own gradients, then HSDP's all-reduce sums the nodes'. Gloo:
+    # the simulated nodes share the GPU, which NCCL refuses.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    results = run(hp_on_cuda, nproc=1, nnodes=2, args=(None, False, 2))
+    expected_losses, expected_params = one_process(world=2)
+    for losses, params, _ in results.values():
+        assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
+        assert_params_close(params, expected_params, 1e-4)
+
+
 def torch_fsdp2_bf16(world: int = 2) -> list[float]:
     """torch's FSDP2 with bf16 mixed precision on one rank (NCCL runs one rank per GPU), on the
     global batches of ``world`` ranks."""
