@@ -27,7 +27,7 @@ rank's GPU holds for it, in the same parts: the CUDA context and library workspa
 this rank's fp32 shard of the parameters (peer-mapped), with bf16 mixed precision its
 bf16 copy of its rows for its peers (none on one GPU alone), and the full parameters of the root and of two decoder layers
 (the one computing, the one prefetched); the fp32 gradient shard, autograd's full
-gradients and the reduce-scatter buffers of two groups; AdamW's moments and Muon's
+gradients and the reduce-scatter buffers of two groups (none on one GPU alone); AdamW's moments and Muon's
 momentum for this rank's rows, Muon's peer-mapped bf16 rows and owned matrices, and
 its Newton-Schulz temporaries (at most 512 MiB at a time); the activations traced as
 on the CPU, with the caching allocator's slack. On one GPU alone Muon's bf16 copies and
@@ -236,7 +236,9 @@ def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n
     share = 1 / world
     compute_size = 2 if bf16 else 4
     full = (root + 2 * layer) * compute_size  # unsharded: the root, the layer computing, the one prefetched
-    grads = n * share * 4 + 2 * layer * compute_size + 2 * layer * 4  # shard, autograd's, reduce-scatter buffers
+    grads = n * share * 4 + 2 * layer * compute_size  # shard, autograd's
+    if world > 1:
+        grads += 2 * layer * 4  # the reduce-scatter windows (one rank alone reduces in place)
     optimizer = n_adamw * share * 8 + n_muon * share * 4
     newton_schulz = min(NS_DEVICE_GROUP_BYTES, int(n_muon * share * 8)) if n_muon else 0  # its temporaries
     step = 0  # what only the optimizer step holds, beside no activations
@@ -259,7 +261,8 @@ def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n
         "runtime": "CUDA context, cuBLAS / cuDNN workspaces",
         "parameters": (f"1/{world} of {human(n)} fp32" + (" + its bf16 copy" if bf16 and world > 1 else "")
                        + f", full root + 2 layers ({human(root + 2 * layer)}) unsharded"),
-        "gradients": f"1/{world} fp32 shard + 2 layers' full gradients and reduce-scatter buffers",
+        "gradients": f"1/{world} fp32 shard + 2 layers' full gradients"
+                     + (" and reduce-scatter buffers" if world > 1 else ""),
         "optimizer state": (f"Muon {human(n_muon)} ({muon_note}), AdamW {human(n_adamw)} (2 moments)" if n_muon
                             else f"AdamW {human(n_adamw)}: two moments of 1/{world}"),
         "activations": act_note,
