@@ -428,10 +428,8 @@ void CudaParamGroup::reduce_alone(const std::vector<std::optional<at::Tensor>>& 
       continue;
     }
     const at::Tensor grad = grads[i]->to(grad_dtype_).reshape({-1});
-    if (scale == 1.0f)
-      rows.copy_(grad);
-    else
-      at::mul_out(rows, grad.to(at::kFloat), scale);
+    // Out of place: the product must not land in the caller's gradient.
+    rows.copy_(scale == 1.0f ? grad : at::mul(grad.to(at::kFloat), scale));
   }
 }
 

@@ -565,7 +565,12 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
   const fabric::StreamHandle stream = current_stream(device_);
   // Peers have finished reading this rank's buffer from the last step.
   if (read_ && read_->posted() > 0) read_->wait_all(read_->posted(), stream, "hp.optim.Muon (peers finishing the last step)");
+  // The private batches' memory, for this step only (given back on a throw too).
   lend_private();
+  struct Lent {
+    DeviceMuon* plan;
+    ~Lent() { plan->release_private(); }
+  } lent{this};
 
   // torch.optim.Muon's momentum on this rank's rows; the update's rows, in
   // bfloat16, where their owner will read them. The nesterov update is
@@ -635,7 +640,6 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
         rows.add_(run.rows, alpha);
     }
   }
-  release_private();
 }
 
 std::vector<std::pair<int64_t, int64_t>> DeviceMuon::owned() const {

@@ -144,12 +144,11 @@ void torch_rounds_(const at::Tensor& matrix, const NsOptions& options) {
 constexpr int64_t kHalvesMin = 256;
 
 bool symmetric_halves(int64_t m) {
-  if (m % 16 != 0 || m < kHalvesMin) return false;
   const char* value = std::getenv("HP_NS_SYMMETRIC");
   const std::string setting = value ? value : "";
   TORCH_CHECK(setting.empty() || setting == "0" || setting == "1", "HP_NS_SYMMETRIC must be 0 or 1, got '", setting,
               "' (docs/env.md)");
-  return setting != "0";
+  return setting != "0" && m % 16 == 0 && m >= kHalvesMin;
 }
 
 at::Tensor block(const at::Tensor& t, int64_t i, int64_t j, int64_t h) {

@@ -96,7 +96,7 @@ def one_process(world: int, param_dtype=None, steps: int = STEPS) -> tuple[list[
     return losses, full_params(model)
 
 
-def hp_on_cuda(reshard, mp: bool, nodes: int = 1) -> tuple:
+def hp_on_cuda(reshard, mp: bool, nodes: int = 1, param_dtype=None) -> tuple:
     hp.comm.init()
     device = _device()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,6 +108,8 @@ def hp_on_cuda(reshard, mp: bool, nodes: int = 1) -> tuple:
         mesh = init_device_mesh("cuda", (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else MixedPrecisionPolicy()
     model = make_model().to(device)
+    if param_dtype is not None:
+        model = model.to(param_dtype)
     for layer in model.model.layers:
         hp.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     hp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -160,6 +162,22 @@ def test_hsdp_one_rank_per_node_on_cuda_equals_one_process(monkeypatch):
     for losses, params, _ in results.values():
         assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
         assert_params_close(params, expected_params, 1e-4)
+
+
+def test_hsdp_one_rank_per_node_bf16_parameters(monkeypatch):
+    # bf16 shards: each node's rank scales its gradients in float32 and rounds them to bf16 (the
+    # window kernel's arithmetic), then the nodes' all-reduce; within bf16's own deviation.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    results = run(hp_on_cuda, nproc=1, nnodes=2, args=(None, False, 2, torch.bfloat16))
+    expected, _ = one_process(world=2, param_dtype=torch.bfloat16)
+    fp32, _ = one_process(world=2)
+    bf16_deviation = max(abs(a - b) for a, b in zip(expected, fp32))
+    for losses, _, _ in results.values():
+        worst = max(abs(a - b) for a, b in zip(losses, expected))
+        print(f"bf16 parameters, HSDP 2 nodes x 1 rank: max |loss diff| vs one process {worst:.3g} "
+              f"(bf16 vs fp32 in one process: {bf16_deviation:.3g})")
+        assert worst <= 2 * bf16_deviation + 1e-3
+        assert losses[-1] < losses[0] - 1.0  # it learned
 
 
 def torch_fsdp2_bf16(world: int = 2) -> list[float]:

@@ -136,19 +136,22 @@ def _assert_close(label: str, full: list[torch.Tensor], initial: list, expected:
 def test_private_batches_hold_no_memory_between_steps():
     # The bf16 copies Newton-Schulz works on live for the step only (the caching allocator's
     # memory, reused by the next forward); what stays is the momentum.
+    # The first step makes the momentum and cuBLAS's workspace, which stay; the second adds nothing.
     device = torch.device("cuda", 0)
     ours = _params(0, device)
     optimizer = hpo.Muon(ours, lr=2e-3, adjust_lr_fn="match_rms_adamw")
-    for p, g in zip(ours, _grads(0, device)):
-        p.grad = g
+    for step in range(2):
+        for p, g in zip(ours, _grads(step, device)):
+            p.grad = g
+        optimizer.step()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     optimizer.step()
     torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated(device) - before
-    momentum = sum(optimizer.state[p]["momentum_buffer"].nbytes for p in ours)
     copies = sum(p.numel() * 2 for p in ours)
-    assert momentum <= held < momentum + copies // 4, (held, momentum, copies)
+    assert torch.cuda.max_memory_allocated(device) - before >= copies  # lent during the step
+    assert torch.cuda.memory_allocated(device) == before  # and given back
 
 
 def test_one_rank_fully_sharded_equals_one_process():
