@@ -4,10 +4,11 @@
 # Logs go to $OUT (default: runs/gpu_check). Each step has its own time limit and the script goes
 # on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
 #
-#   bash scripts/gpu_check.sh                 # everything, about 10 minutes on an H200 (build 2, tests 5, benches 3);
-#                                             # the limits below add up to more than one 10-minute device call, so
-#                                             # there run STEPS="probe build test" and then STEPS="headline comm",
-#                                             # with a prebuilt _C (HP_PREBUILT, rebuilt after any change to csrc/)
+#   bash scripts/gpu_check.sh                 # everything: build about 2 minutes (seconds with HP_PREBUILT),
+#                                             # the test files at once, then the benchmarks alone; with a prebuilt
+#                                             # _C (rebuilt after any change to csrc/) it is meant to fit one
+#                                             # 10-minute device call, whose logs come back even if it runs out
+#                                             # (then run the steps it did not reach: STEPS="headline comm")
 #   STEPS="build test" bash scripts/gpu_check.sh
 #   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
 #                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
@@ -79,14 +80,24 @@ build() {
 
 tests() {
   # A hung test fails alone (pytest-timeout, where installed) instead of taking the step's time.
-  local per_test=() status=0 file
-  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=100)
-  # A process per file: a kernel's fault poisons its process's CUDA context, not the other files'.
-  # Kernels launch synchronously in test_gpu_nn, so a fault names the kernel that made it.
+  local per_test=() pids=() names=() status=0 file i
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
+  # A process per file, all files at once (each log in $OUT/<file>.log): a kernel's fault poisons
+  # its process's CUDA context, not the other files', and the files' runs, mostly process starts
+  # and tiny models, overlap on the GPU instead of queueing for scarce device time. Correctness
+  # only: the benchmarks run after, alone. Kernels launch synchronously in test_gpu_nn, so a
+  # fault names the kernel that made it.
   for file in $GPU_TESTS; do
-    echo "-- $file"
-    [[ $file == *test_gpu_nn.py ]] && export CUDA_LAUNCH_BLOCKING=1 || unset CUDA_LAUNCH_BLOCKING
-    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=8 "${per_test[@]}" "$file" || status=1
+    names+=("$(basename "$file" .py)")
+    (
+      [[ $file == *test_gpu_nn.py ]] && export CUDA_LAUNCH_BLOCKING=1
+      exec "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=8 "${per_test[@]}" "$file"
+    ) >"$OUT/${names[-1]}.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || status=1
+    echo "-- ${names[$i]}: $(tail -n 1 "$OUT/${names[$i]}.log")"
   done
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv  # what the tests left on the GPU
   return $status
@@ -96,7 +107,7 @@ export PYTHON OUT HP_PREBUILT GPU_TESTS
 export -f probe build tests
 step probe 30 probe
 step build 200 build
-step test 360 tests
+step test 300 tests
 step headline 330 '"$PYTHON" bench/gpu_headline.py'
 step comm 150 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
 

@@ -179,8 +179,9 @@ def test_killed_rank_is_named_within_30s_and_nothing_is_left():
     ranks = start_ranks(world, heartbeat_timeout=5.0, program=RANK_PROGRAM)
     pids = {process.pid for process in ranks}
     fail_one(ranks, victim, "killed")
-    prefix = f"hp-{os.getuid()}-"
-    assert [name for name in os.listdir("/dev/shm") if name.startswith(prefix)] == []
+    # The job's own segments (named by the rank that made them): other jobs may share the machine.
+    prefixes = tuple(f"hp-{os.getuid()}-{pid}-" for pid in pids)
+    assert [name for name in os.listdir("/dev/shm") if name.startswith(prefixes)] == []
     deadline = time.monotonic() + 10
     while pids & _gpu_pids() and time.monotonic() < deadline:
         time.sleep(0.2)
