@@ -16,18 +16,18 @@
 // copy engines; the three hand-overs are DeviceSignal rounds, so the host
 // never waits on the GPU.
 //
-// Parameters that are not sharded (and every parameter of a one-rank job)
-// are orthogonalised by the process that holds them, batched per shape, in
-// memory lent by torch's caching allocator for the step only: the step runs
-// when the activations are gone, so the next forward reuses that memory and
-// the bf16 copies add nothing to the peak. Sharded parameters must be sharded within a
-// node (hp.fully_shard's layout): on one node, or replicated across nodes
-// (HSDP). There every node holds every shard and, after HSDP's all-reduce,
-// the same gradients, so each matrix is orthogonalised on one node only and
-// needs no rows from the others: its results go to the counterparts (the
-// same local rank) on the other nodes over c10d (NCCL), a pool at a time,
-// while the next pool is orthogonalised. A mesh whose shards span nodes is
-// refused with a message.
+// Parameters that are not sharded (and every parameter of a one-rank job) are
+// orthogonalised by the process that holds them, batched per shape, in memory
+// lent by torch's caching allocator for the step only: the step runs when the
+// activations are gone, so the next forward reuses that memory and the bf16
+// copies raise the peak only where they outgrow the activations. Sharded
+// parameters must be sharded within a node (hp.fully_shard's layout): on one
+// node, or replicated across nodes (HSDP). There every node holds every shard
+// and, after HSDP's all-reduce, the same gradients, so each matrix is
+// orthogonalised on one node only and needs no rows from the others: its
+// results go to the counterparts (the same local rank) on the other nodes
+// over c10d (NCCL), a pool at a time, while the next pool is orthogonalised.
+// A mesh whose shards span nodes is refused with a message.
 // This file reaches CUDA only through c10's device interfaces and the
 // torch-free device layer; it is linked where torch has CUDA.
 #include <c10/core/DeviceGuard.h>
