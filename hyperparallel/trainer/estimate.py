@@ -25,14 +25,15 @@ Memory is what the OS will count for each rank (peak resident set size), in part
 On GPUs (``train.device`` resolving to cuda) the estimate is of the device memory a
 rank's GPU holds for it, in the same parts: the CUDA context and library workspaces;
 this rank's fp32 shard of the parameters (peer-mapped), with bf16 mixed precision its
-bf16 copy of its rows for its peers (none on one GPU alone), and the full parameters of the root and of two decoder layers
-(the one computing, the one prefetched); the fp32 gradient shard, autograd's full
-gradients and the reduce-scatter buffers of two groups (none on one GPU alone); AdamW's moments and Muon's
-momentum for this rank's rows, Muon's peer-mapped bf16 rows and owned matrices, and
-its Newton-Schulz temporaries (at most 512 MiB at a time); the activations traced as
-on the CPU, with the caching allocator's slack. On one GPU alone Muon's bf16 copies and
-temporaries exist only during the step, after the activations are gone, in memory the
-next forward reuses: the larger of the two counts. The token file stays in host memory.
+bf16 copy of its rows for its peers (none on one GPU alone), and the full parameters of
+the root and of two decoder layers (the one computing, the one prefetched); the fp32
+gradient shard, autograd's full gradients and the reduce-scatter buffers of two groups
+(none on one GPU alone); AdamW's moments and Muon's momentum for this rank's rows,
+Muon's peer-mapped bf16 rows and owned matrices, and its Newton-Schulz temporaries (at
+most 512 MiB at a time); the activations traced as on the CPU, with the caching
+allocator's slack. On one GPU alone Muon's bf16 copies and temporaries exist only during
+the step, after the activations are gone, in memory the next forward reuses: the larger
+of the two counts. The token file stays in host memory.
 """
 
 from __future__ import annotations
@@ -234,35 +235,36 @@ def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n
                      activations: int, act_note: str, transient: int) -> Estimate:
     """The GPU's parts (see the module docstring): sizes in parameters, ``activations`` in bytes."""
     share = 1 / world
+    alone = world == 1  # no peers: no bf16 shard copy, no reduce-scatter windows, Muon's copies lent
     compute_size = 2 if bf16 else 4
     full = (root + 2 * layer) * compute_size  # unsharded: the root, the layer computing, the one prefetched
     grads = n * share * 4 + 2 * layer * compute_size  # shard, autograd's
-    if world > 1:
-        grads += 2 * layer * 4  # the reduce-scatter windows (one rank alone reduces in place)
+    if not alone:
+        grads += 2 * layer * 4  # the reduce-scatter windows
     optimizer = n_adamw * share * 8 + n_muon * share * 4
     newton_schulz = min(NS_DEVICE_GROUP_BYTES, int(n_muon * share * 8)) if n_muon else 0  # its temporaries
     step = 0  # what only the optimizer step holds, beside no activations
-    if world > 1:
+    if not alone:
         optimizer += n_muon * share * 2 * 2 + newton_schulz  # peer-mapped bf16: own rows, owned matrices
     elif n_muon:
         step = n_muon * 2 + newton_schulz  # bf16 copies of every matrix, lent for the step
     held = activations + transient + ALLOCATOR_SLACK * (activations + grads)
     parts = {
         "runtime": CUDA_RUNTIME_BYTES,
-        "parameters": int(n * share * 4 + (n * share * 2 if bf16 and world > 1 else 0) + full),
+        "parameters": int(n * share * 4 + (n * share * 2 if bf16 and not alone else 0) + full),
         "gradients": int(grads),
         "optimizer state": int(optimizer),
         "activations": int(max(held, step)),
     }
     if step > held:
         act_note = f"less than Muon's step on one GPU: bf16 copies of {human(n_muon)} parameters, Newton-Schulz"
-    muon_note = "momentum shard, peer-mapped bf16, Newton-Schulz" if world > 1 else "momentum"
+    muon_note = "momentum" if alone else "momentum shard, peer-mapped bf16, Newton-Schulz"
     notes = {
         "runtime": "CUDA context, cuBLAS / cuDNN workspaces",
-        "parameters": (f"1/{world} of {human(n)} fp32" + (" + its bf16 copy" if bf16 and world > 1 else "")
+        "parameters": (f"1/{world} of {human(n)} fp32" + (" + its bf16 copy" if bf16 and not alone else "")
                        + f", full root + 2 layers ({human(root + 2 * layer)}) unsharded"),
         "gradients": f"1/{world} fp32 shard + 2 layers' full gradients"
-                     + (" and reduce-scatter buffers" if world > 1 else ""),
+                     + ("" if alone else " and reduce-scatter buffers"),
         "optimizer state": (f"Muon {human(n_muon)} ({muon_note}), AdamW {human(n_adamw)} (2 moments)" if n_muon
                             else f"AdamW {human(n_adamw)}: two moments of 1/{world}"),
         "activations": act_note,

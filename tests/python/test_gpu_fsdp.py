@@ -125,43 +125,38 @@ def assert_params_close(got: dict, expected: dict, atol: float) -> None:
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
 
 
+def assert_equal_to_one_process(results: dict, world: int, label: str) -> list[float]:
+    """Every rank's losses (within 1e-5) and full parameters (1e-4) against the one-process run of
+    ``world`` ranks' batches; returns its losses."""
+    expected_losses, expected_params = one_process(world=world)
+    for losses, params, _ in results.values():
+        worst = max(abs(a - b) for a, b in zip(losses, expected_losses))
+        print(f"{label}: max |loss diff| vs one process {worst:.3g}")
+        assert worst <= 1e-5
+        assert_params_close(params, expected_params, 1e-4)
+    return expected_losses
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fp32_training_on_two_ranks_equals_one_process(reshard):
     results = run(hp_on_cuda, nproc=2, args=(reshard, False))
-    expected_losses, expected_params = one_process(world=2)
-    for losses, params, _ in results.values():
-        worst = max(abs(a - b) for a, b in zip(losses, expected_losses))
-        print(f"reshard_after_forward={reshard}: max |loss diff| vs one process {worst:.3g}")
-        assert worst <= 1e-5
-        assert_params_close(params, expected_params, 1e-4)
+    expected_losses = assert_equal_to_one_process(results, 2, f"reshard_after_forward={reshard}")
     assert expected_losses[-1] < expected_losses[0] - 1.0  # it learned
-
-
-def test_hsdp_2x2_on_cuda_equals_one_process():
-    results = run(hp_on_cuda, nproc=2, nnodes=2, args=(None, False, 2))
-    expected_losses, expected_params = one_process(world=4)
-    for losses, params, _ in results.values():
-        assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
-        assert_params_close(params, expected_params, 1e-4)
 
 
 def test_fp32_training_on_one_rank_equals_one_process():
     # Alone on its node a rank reduces its own gradients in place (no gradient window).
-    losses, params, _ = run(hp_on_cuda, nproc=1, args=(True, False))[0]
-    expected_losses, expected_params = one_process(world=1)
-    assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
-    assert_params_close(params, expected_params, 1e-4)
+    assert_equal_to_one_process(run(hp_on_cuda, nproc=1, args=(True, False)), 1, "1 rank")
 
 
-def test_hsdp_one_rank_per_node_on_cuda_equals_one_process(monkeypatch):
-    # Each node's one rank scales its own gradients, then HSDP's all-reduce sums the nodes'. Gloo:
-    # the simulated nodes share the GPU, which NCCL refuses.
-    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
-    results = run(hp_on_cuda, nproc=1, nnodes=2, args=(None, False, 2))
-    expected_losses, expected_params = one_process(world=2)
-    for losses, params, _ in results.values():
-        assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
-        assert_params_close(params, expected_params, 1e-4)
+@pytest.mark.parametrize("per_node", [2, 1])
+def test_hsdp_on_cuda_equals_one_process(per_node, monkeypatch):
+    # 2 nodes. With one rank per node each rank scales its own gradients, then HSDP's all-reduce
+    # sums the nodes'; its simulated nodes share the GPU, which NCCL refuses: Gloo.
+    if per_node == 1:
+        monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    results = run(hp_on_cuda, nproc=per_node, nnodes=2, args=(None, False, 2))
+    assert_equal_to_one_process(results, 2 * per_node, f"HSDP 2 nodes x {per_node}")
 
 
 def test_hsdp_one_rank_per_node_bf16_parameters(monkeypatch):
@@ -180,7 +175,7 @@ def test_hsdp_one_rank_per_node_bf16_parameters(monkeypatch):
         assert losses[-1] < losses[0] - 1.0  # it learned
 
 
-def torch_fsdp2_bf16(world: int = 2) -> list[float]:
+def torch_fsdp2_bf16(world: int) -> list[float]:
     """torch's FSDP2 with bf16 mixed precision on one rank (NCCL runs one rank per GPU), on the
     global batches of ``world`` ranks."""
     dist.init_process_group("cpu:gloo,cuda:nccl")
@@ -204,29 +199,20 @@ def torch_fsdp2_bf16(world: int = 2) -> list[float]:
     return losses
 
 
-def test_bf16_mixed_precision_within_fsdp2s_own_deviation():
-    ours = run(hp_on_cuda, nproc=2, args=(True, True))
-    theirs = run(torch_fsdp2_bf16, nproc=1)[0]
-    reference, _ = one_process(world=2)
+@pytest.mark.parametrize("world", [2, 1])
+def test_bf16_mixed_precision_within_fsdp2s_own_deviation(world):
+    # Alone on its node (world 1) a rank keeps no bf16 copy of its shard: it casts straight into
+    # the full parameters.
+    ours = run(hp_on_cuda, nproc=world, args=(True, True))
+    theirs = run(torch_fsdp2_bf16, nproc=1, args=(world,))[0]
+    reference, _ = one_process(world=world)
     their_deviation = max(abs(a - b) for a, b in zip(theirs, reference))
     for losses, _, _ in ours.values():
         our_deviation = max(abs(a - b) for a, b in zip(losses, reference))
-        print(f"bf16 max |loss - fp32 loss|: hp (2 ranks) {our_deviation:.3g}, torch FSDP2 {their_deviation:.3g}")
+        print(f"bf16 max |loss - fp32 loss|: hp ({world} ranks) {our_deviation:.3g}, "
+              f"torch FSDP2 {their_deviation:.3g}")
         # Both round the same parameters to bf16; they differ in where the fp32 sums happen.
         assert our_deviation <= 2 * their_deviation + 1e-3
-
-
-def test_bf16_mixed_precision_on_one_rank_within_fsdp2s_own_deviation():
-    # Alone on its node a rank keeps no bf16 copy of its shard: it casts straight into the full
-    # parameters, the bits FSDP2's own cast gives.
-    ours, _, _ = run(hp_on_cuda, nproc=1, args=(True, True))[0]
-    theirs = run(torch_fsdp2_bf16, nproc=1, args=(1,))[0]
-    reference, _ = one_process(world=1)
-    their_deviation = max(abs(a - b) for a, b in zip(theirs, reference))
-    our_deviation = max(abs(a - b) for a, b in zip(ours, reference))
-    print(f"bf16 max |loss - fp32 loss|, 1 rank: hp {our_deviation:.3g}, torch FSDP2 {their_deviation:.3g}; "
-          f"hp vs FSDP2 {max(abs(a - b) for a, b in zip(ours, theirs)):.3g}")
-    assert our_deviation <= 2 * their_deviation + 1e-3
 
 
 def clip_and_checkpoint(path: str) -> tuple:

@@ -135,8 +135,8 @@ def _assert_close(label: str, full: list[torch.Tensor], initial: list, expected:
 
 def test_private_batches_hold_no_memory_between_steps():
     # The bf16 copies Newton-Schulz works on live for the step only (the caching allocator's
-    # memory, reused by the next forward); what stays is the momentum.
-    # The first step makes the momentum and cuBLAS's workspace, which stay; the second adds nothing.
+    # memory, reused by the next forward). The first steps make what stays (the momentum,
+    # cuBLAS's workspace); a later step holds nothing more after it.
     device = torch.device("cuda", 0)
     ours = _params(0, device)
     optimizer = hpo.Muon(ours, lr=2e-3, adjust_lr_fn="match_rms_adamw")
