@@ -43,7 +43,7 @@ from hyperparallel.launch import run
 
 
 def _measure_size(mib: int, repeats: int, skipped: list[str]) -> dict:
-    device = torch.cuda.current_device()
+    device = hp.comm.device()
     rank, world = dist.get_rank(), dist.get_world_size()
     n = mib * (1 << 20) // 4
     n -= n % world

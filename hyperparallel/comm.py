@@ -225,7 +225,7 @@ def symmetric_empty(
 ) -> torch.Tensor:
     """This rank's tensor in a window where every rank of the node has one; collective. On a
     GPU (``device="cuda"``) it is this rank's device memory, which every rank of the node maps."""
-    return get().symmetric_empty(list(shape), dtype, torch.device(device or "cpu"))
+    return get().symmetric_empty(list(shape), dtype, torch.device("cpu" if device is None else device))
 
 
 def local_rows(full: torch.Tensor) -> torch.Tensor:
@@ -259,3 +259,11 @@ def stats() -> dict[str, int]:
 
 def reset_stats() -> None:
     get().reset_stats()
+
+
+def device_bytes() -> int:
+    """Device memory this process holds in hyperparallel's peer-mapped buffers now (FSDP's
+    shards and gradient windows, Muon's buffers, ``symmetric_empty`` tensors): what it holds
+    beside torch's caching allocator, so that ``torch.cuda.max_memory_reserved() +
+    device_bytes()`` is this rank's own device memory but for the CUDA context. 0 without GPUs."""
+    return _C.device_held_bytes()

@@ -315,10 +315,8 @@ void Communicator::all_gather_shared(const at::Tensor& full) {
 }
 
 void Communicator::reduce_scatter_symmetric(at::Tensor& out, const at::Tensor& in, ReduceOp op) {
-  if (!in.device().is_cpu()) {
-    check_same_device(out, in, "reduce_scatter_symmetric");
-    return device(in).reduce_scatter_symmetric(out, in, op);
-  }
+  check_same_device(out, in, "reduce_scatter_symmetric");
+  if (!in.device().is_cpu()) return device(in).reduce_scatter_symmetric(out, in, op);
   Window& window = window_of(in, "reduce_scatter_symmetric");
   TORCH_CHECK(window.slots() == node_.size() && in.data_ptr() == window.slot(node_.rank()),
               "hyperparallel reduce_scatter_symmetric: expected this rank's tensor from symmetric_empty()");

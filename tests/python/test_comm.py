@@ -123,6 +123,9 @@ def wrong_inputs() -> str:
         hp.comm.all_reduce(torch.ones(3, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="not in shared memory"):
         hp.comm.all_gather_shared(torch.empty(4))
+    grad = hp.comm.symmetric_empty((4,), torch.float32)
+    with pytest.raises(RuntimeError, match="out is on meta but in is on cpu"):  # a device shard, a CPU window
+        hp.comm.reduce_scatter_symmetric(torch.empty(2, device="meta"), grad)
     hp.comm.barrier()
     return "ok"
 
