@@ -90,11 +90,18 @@ def muon_part(layers: int, repeats: int) -> list[str]:
     times = {"hp": [], "hp, whole products": [], "torch.optim.Muon": [], "batched torch": []}
     systems = {"hp": hp_step("1"), "hp, whole products": hp_step("0"), "torch.optim.Muon": theirs.step,
                "batched torch": batched_reference}
-    for fn in systems.values():
-        fn()  # warm-up: plans, cuBLAS handles
-    for _ in range(repeats):
-        for name, fn in systems.items():
-            times[name].append(cuda_event_ms(fn))
+    saved = os.environ.get("HP_NS_SYMMETRIC")
+    try:
+        for fn in systems.values():
+            fn()  # warm-up: plans, cuBLAS handles
+        for _ in range(repeats):
+            for name, fn in systems.items():
+                times[name].append(cuda_event_ms(fn))
+    finally:  # the later parts' ranks inherit this environment: they run hp's default
+        if saved is None:
+            os.environ.pop("HP_NS_SYMMETRIC", None)
+        else:
+            os.environ["HP_NS_SYMMETRIC"] = saved
     t = {name: statistics.median(v) for name, v in times.items()}
     count = layers * shape[0]
     return [
