@@ -141,7 +141,7 @@ class DeviceMuon : public MuonPlan {
   std::shared_ptr<fabric::PeerMemory> buffer_;
   at::Tensor bytes_;  // this rank's buffer as bytes
   std::unique_ptr<fabric::DeviceSignal> written_, read_;
-  std::vector<std::unique_ptr<fabric::DeviceSignal>> solved_;  // per pool: its owners' results are there
+  std::vector<std::unique_ptr<fabric::DeviceSignal>> solved_;  // per sharded pool: its owners' results are there
   fabric::CopyBatch gather_;                 // owners' pulls of their matrices' rows, planned once
   std::vector<fabric::CopyBatch> scatter_;   // per pool: this rank's pulls of its rows of the results
   // A parameter's rows in this rank's buffer as few tensors as the layout
@@ -291,8 +291,9 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
                            at::TensorOptions().dtype(at::kByte).device(device_));
     written_ = std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index());
     read_ = std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index());
-    for (std::size_t p = 0; p < pools_.size(); ++p)
-      solved_.push_back(std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index()));
+    for (const Pool& pool : pools_)  // collective, and the same pools on every rank
+      solved_.push_back(pool.sharded ? std::make_unique<fabric::DeviceSignal>(*comm_->fabric(), device_.index())
+                                     : nullptr);
   }
   // This process's own matrices: each private pool a batch in the private
   // storage, allocated here to make the views, and released until a step.
