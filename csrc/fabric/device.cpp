@@ -84,18 +84,20 @@ PeerMemory::PeerMemory(Fabric& fabric, int device, std::size_t bytes)
   DeviceScope scope(device);
   // cudaMalloc's 256-byte alignment is what the kernels' 16-byte loads need.
   void* mine = nullptr;
-  check(cudaMalloc(&mine, bytes == 0 ? 256 : bytes), "cudaMalloc",
+  check(cudaMalloc(&mine, allocated()), "cudaMalloc",
         "the GPU is out of memory: shard over more ranks, or free memory first");
   peers_[rank_] = mine;
-  cudaIpcMemHandle_t handle;
-  try {
+  device::held_bytes_counter += allocated();
+  std::vector<std::string> handles;
+  try {  // a constructor that throws runs no destructor: ours is freed here
+    cudaIpcMemHandle_t handle;
     check(cudaIpcGetMemHandle(&handle, mine), "cudaIpcGetMemHandle",
           "CUDA IPC is unavailable here (a container without the IPC namespace, or MPS)");
+    handles = fabric.exchange(to_bytes(handle));  // a dead peer throws FabricError
   } catch (...) {
-    cudaFree(mine);
+    release();
     throw;
   }
-  std::vector<std::string> handles = fabric.exchange(to_bytes(handle));
   for (int r = 0; r < fabric.local_world(); ++r) {
     if (r == rank_) continue;
     void* theirs = nullptr;
@@ -120,9 +122,10 @@ void PeerMemory::release() noexcept {
   cudaSetDevice(device_);
   for (int r = 0; r < int(peers_.size()); ++r) {
     if (!peers_[r]) continue;
-    if (r == rank_)
+    if (r == rank_) {
       cudaFree(peers_[r]);
-    else
+      device::held_bytes_counter -= allocated();
+    } else
       cudaIpcCloseMemHandle(peers_[r]);
     peers_[r] = nullptr;
   }

@@ -4,6 +4,7 @@
 
 #include "hyperparallel/comm/communicator.h"
 #include "hyperparallel/comm/teardown.h"
+#include "hyperparallel/fabric/device.h"
 #include "hyperparallel/fabric/fabric.h"
 #include "module.h"
 
@@ -37,6 +38,7 @@ void bind_comm(py::module_& m) {
 
   m.def("sweep_stale_segments", &fabric::sweep_stale_segments);
   m.def("device_backends", &comm::device_backends);
+  m.def("device_held_bytes", &fabric::device::held_bytes);
   m.def(
       "wait_gloo_workers_idle",
       [](double seconds) { return comm::wait_gloo_workers_idle(std::chrono::milliseconds(int64_t(seconds * 1000))); },

@@ -23,7 +23,8 @@ Memory is what the OS will count for each rank (peak resident set size), in part
 - **data**: the memory-mapped token file's pages.
 
 On GPUs (``train.device`` resolving to cuda) the estimate is of the device memory a
-rank's GPU holds for it, in the same parts: the CUDA context and library workspaces;
+rank's GPU holds for it, in the same parts: the CUDA context (the driver's) and the
+library workspaces (torch's allocator);
 this rank's fp32 shard of the parameters (peer-mapped), with bf16 mixed precision its
 bf16 copy of its rows for its peers (none on one GPU alone), and the full parameters of
 the root and of two decoder layers (the one computing, the one prefetched); the fp32
@@ -33,7 +34,10 @@ Muon's peer-mapped bf16 rows and owned matrices, and its Newton-Schulz temporari
 most 512 MiB at a time); the activations traced as on the CPU, with the caching
 allocator's slack. On one GPU alone Muon's bf16 copies and temporaries exist only during
 the step, after the activations are gone, in memory the next forward reuses: the larger
-of the two counts. The token file stays in host memory.
+of the two counts. The token file stays in host memory. All but the CUDA context is
+what the rank allocates itself (:meth:`Estimate.allocated`), which the trainer measures
+(torch's caching allocator's peak and hyperparallel's peer-mapped buffers): the context
+is the driver's, and ranks sharing a GPU see each other's in the device's count.
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ RANK_OVERHEAD_BYTES = 60 * MIB
 # The allocator keeps freed blocks for reuse; peak RSS runs above the live bytes by
 # about this fraction of what the step allocates and frees (activations, gradients).
 ALLOCATOR_SLACK = 0.15
-# A GPU rank's fixed part: the CUDA context with torch's kernels loaded, cuBLAS's and
-# cuDNN's workspaces. Not yet measured on a GPU by this estimate's test (test_gpu_train).
-CUDA_RUNTIME_BYTES = 600 * MIB
+# A GPU rank's fixed parts: the CUDA context with torch's kernels loaded (the driver's
+# memory, outside torch's allocator), and cuBLAS's and cuDNN's workspaces (in it). Not
+# yet measured on a GPU by this estimate's test (test_gpu_train).
+CUDA_CONTEXT_BYTES = 500 * MIB
+CUDA_WORKSPACE_BYTES = 100 * MIB
 # Muon on a GPU: Newton-Schulz's temporaries are at most this much at a time (see
 # csrc/optim/newton_schulz.cpp's kDeviceGroupBytes).
 NS_DEVICE_GROUP_BYTES = 512 * MIB
@@ -81,6 +87,13 @@ class Estimate:
     def total(self) -> int:
         """The peak estimate: the sum of the parts."""
         return sum(self.parts.values())
+
+    @property
+    def allocated(self) -> int:
+        """What the trainer measures of the total: all of it on the CPU (peak RSS); on a GPU all
+        but the CUDA context, which is the driver's (the rank's allocator peak and its
+        peer-mapped buffers)."""
+        return self.total - self.parts.get("CUDA context", 0)
 
     def table(self) -> str:
         """The parts as aligned lines, with the total."""
@@ -250,7 +263,8 @@ def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n
         step = n_muon * 2 + newton_schulz  # bf16 copies of every matrix, lent for the step
     held = activations + transient + ALLOCATOR_SLACK * (activations + grads)
     parts = {
-        "runtime": CUDA_RUNTIME_BYTES,
+        "CUDA context": CUDA_CONTEXT_BYTES,
+        "workspaces": CUDA_WORKSPACE_BYTES,
         "parameters": int(n * share * 4 + (n * share * 2 if bf16 and not alone else 0) + full),
         "gradients": int(grads),
         "optimizer state": int(optimizer),
@@ -260,7 +274,8 @@ def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n
         act_note = f"less than Muon's step on one GPU: bf16 copies of {human(n_muon)} parameters, Newton-Schulz"
     muon_note = "momentum" if alone else "momentum shard, peer-mapped bf16, Newton-Schulz"
     notes = {
-        "runtime": "CUDA context, cuBLAS / cuDNN workspaces",
+        "CUDA context": "the driver's, with torch's kernels loaded (not in the trainer's measured peak)",
+        "workspaces": "cuBLAS's and cuDNN's",
         "parameters": (f"1/{world} of {human(n)} fp32" + (" + its bf16 copy" if bf16 and not alone else "")
                        + f", full root + 2 layers ({human(root + 2 * layer)}) unsharded"),
         "gradients": f"1/{world} fp32 shard + 2 layers' full gradients"
@@ -270,6 +285,15 @@ def _device_estimate(*, n: int, world: int, bf16: bool, root: int, layer: int, n
         "activations": act_note,
     }
     return Estimate(parts, notes, "peak GPU memory per rank")
+
+
+def allocated_or_none(cfg: Config, world: int) -> int | None:
+    """:attr:`Estimate.allocated` for the trainer's summary, beside what it measures; None where
+    the estimate fails (it is a report line, never a reason not to train)."""
+    try:
+        return estimate(cfg, world).allocated
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _data_bytes(cfg: Config) -> int:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import hyperparallel as hp
 from hyperparallel._memory import rss_bytes
+from hyperparallel.trainer import estimate as estimate_lib
 from hyperparallel.trainer import model as model_lib
 from hyperparallel.trainer import optim as optim_lib
 from hyperparallel.trainer import report
@@ -34,7 +35,8 @@ class Trainer:
     """One rank's part of the run ``cfg_dict`` describes (collective over the torch.distributed job).
 
     Rank 0 writes ``metrics.jsonl``, the plot and ``summary.json``, and prints the summary.
-    ``estimate_bytes``: the dry-run's memory estimate per rank, shown beside the measured peak.
+    ``estimate_bytes``: the dry-run's memory estimate per rank (:attr:`Estimate.allocated`),
+    shown beside the measured peak; on a GPU, None makes rank 0 compute it.
     """
 
     def __init__(self, cfg_dict: dict[str, Any], estimate_bytes: int | None = None) -> None:
@@ -51,6 +53,10 @@ class Trainer:
         self.t_start = time.perf_counter()
 
         self.device = model_lib.rank_device(resolve_device(cfg))
+        if self.device.type == "cuda" and self.estimate_bytes is None and self.rank == 0:
+            # The launcher leaves the GPU estimate to this rank, which has a CUDA context (the
+            # trace makes one). Before the model: its build seeds the generators afresh.
+            self.estimate_bytes = estimate_lib.allocated_or_none(cfg, self.world)
         mesh = model_lib.build_mesh(self.device.type)
         self.model = model_lib.build(cfg, device=self.device)
         self.params = model_lib.count_params(self.model)
@@ -108,10 +114,11 @@ class Trainer:
         loss, aux_loss = losses.tolist()
         wall = time.perf_counter() - t0
         if self.device.type == "cuda":
-            # The GPU's own count (hp's peer-mapped buffers are outside torch's allocator, which
-            # keeps what a step reserved): after a step, its peak. Ranks sharing a GPU see each other.
-            free, total = torch.cuda.mem_get_info(self.device)
-            self.peak_device_bytes = max(self.peak_device_bytes, total - free)
+            # This rank's own device memory but for the CUDA context: torch's allocator at its
+            # peak (what it reserved) and hp's peer-mapped buffers beside it. Not the device's
+            # count, which holds every process on the GPU (ranks sharing it, other jobs).
+            self.peak_device_bytes = max(self.peak_device_bytes,
+                                         torch.cuda.max_memory_reserved(self.device) + hp.comm.device_bytes())
         return {
             "step": self.step, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / wall, "step_s": wall,

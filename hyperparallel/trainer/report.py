@@ -44,8 +44,9 @@ class Phases:
 def summarize(run: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's summary: ``run`` (what it knows of the run) and what every rank measured.
 
-    ``ranks[r]`` holds rank r's ``peak_rss_bytes``, ``peak_device_bytes`` (its GPU's memory
-    in use, 0 on the CPU) and ``per_step`` (its phase times per step). A step takes as long
+    ``ranks[r]`` holds rank r's ``peak_rss_bytes``, ``peak_device_bytes`` (the device memory
+    it allocated at its peak, torch's and hyperparallel's, without the CUDA context; 0 on
+    the CPU) and ``per_step`` (its phase times per step). A step takes as long
     as its slowest rank (the others wait for it); phases are means over ranks. The first
     step is left out when there are more than 3: it builds plans and touches memory.
     """
@@ -176,7 +177,8 @@ def summary_text(summary: dict[str, Any]) -> str:
     memory = f"peak RSS per rank (MiB): {rss}{est_text}"
     if s["device"] == "cuda":
         gpu = ", ".join(f"{r / MIB:.0f}" for r in s["peak_device_bytes_per_rank"])
-        memory = f"peak GPU memory in use per rank's GPU (MiB): {gpu}{est_text}; peak RSS (MiB): {rss}"
+        memory = (f"peak GPU memory per rank (MiB): {gpu}, without the CUDA context{est_text}; "
+                  f"peak RSS (MiB): {rss}")
     p = s["params"]
     lines = [
         (f"hyperparallel train: {s['steps_run']} steps in {duration(s['wall_s'])}, "

@@ -142,7 +142,13 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"hyperparallel train: {error}", file=sys.stderr)
         return 2
-    estimate = _estimate_bytes(cfg, world)
+    # On a GPU the estimate traces the model on CUDA fake tensors, which makes a CUDA context:
+    # rank 0 makes it there, not this launcher, whose context would hold GPU 0's memory all run.
+    estimate = None
+    if resolve_device(cfg) != "cuda":
+        from hyperparallel.trainer.estimate import allocated_or_none
+
+        estimate = allocated_or_none(cfg, world)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -213,15 +219,6 @@ def _failure_text(rank: int, failure) -> str:
                 + (f"; the kernel's out-of-memory killer is the usual cause (see dmesg): {_OUT_OF_MEMORY}"
                    if name == "SIGKILL" else ""))
     return f"hyperparallel train: rank {rank} exited with code {failure.exitcode} and left no error"
-
-
-def _estimate_bytes(cfg: Config, world: int) -> int | None:
-    try:
-        from hyperparallel.trainer.estimate import estimate
-
-        return estimate(cfg, world).total
-    except Exception:  # noqa: BLE001 -- the estimate is a report line, never a reason not to train
-        return None
 
 
 def _as_torchrun_rank(cfg: Config, overwrite: bool, mode: str) -> int:

@@ -16,6 +16,7 @@
 // torch has CUDA (HP_CUDA).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -47,6 +48,13 @@ void set_current(int device);
 int current();
 // Blocks the host until `stream` has done everything enqueued so far.
 void synchronize(StreamHandle stream);
+
+// Device memory this process holds in PeerMemory buffers now (its own
+// allocations; its mappings of peers' are theirs): what a rank holds beside
+// torch's caching allocator. Zero in a build without the CUDA part, which
+// allocates none. Inline, so that code without CUDA can read it.
+inline std::atomic<std::size_t> held_bytes_counter{0};
+inline std::size_t held_bytes() { return held_bytes_counter.load(std::memory_order_relaxed); }
 }  // namespace device
 
 // Memory on this rank's device that every local rank has mapped (RAII).
@@ -69,6 +77,7 @@ class PeerMemory {
 
  private:
   void release() noexcept;
+  std::size_t allocated() const { return bytes_ == 0 ? 256 : bytes_; }  // cudaMalloc takes no 0
   int device_ = 0;
   int rank_ = 0;
   std::size_t bytes_ = 0;
