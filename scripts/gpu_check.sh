@@ -5,10 +5,11 @@
 # on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
 #
 #   bash scripts/gpu_check.sh                 # everything: build about 2 minutes (seconds with HP_PREBUILT),
-#                                             # the test files at once, then the benchmarks alone; with a prebuilt
-#                                             # _C (rebuilt after any change to csrc/) it is meant to fit one
+#                                             # the test files at once, then the benchmarks alone (comm, then
+#                                             # headline, printing each part as it ends); with a prebuilt _C
+#                                             # (rebuilt after any change to csrc/) it is meant to fit one
 #                                             # 10-minute device call, whose logs come back even if it runs out
-#                                             # (then run the steps it did not reach: STEPS="headline comm")
+#                                             # (then run the steps it did not reach: STEPS="headline")
 #   STEPS="build test" bash scripts/gpu_check.sh
 #   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
 #                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
@@ -21,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"probe build test headline comm"}
+STEPS=${STEPS:-"probe build test comm headline"}
 # The newest first: what has not yet run on a GPU comes before what has (the bars' tests first).
 GPU_TESTS=${GPU_TESTS:-"tests/python/test_gpu_optim.py tests/python/test_gpu_nn.py tests/python/test_gpu_train.py tests/python/test_gpu_fsdp.py tests/python/test_gpu_comm.py"}
 PYTHON=${PYTHON:-python3}
@@ -79,7 +80,9 @@ build() {
 }
 
 tests() {
-  # A hung test fails alone (pytest-timeout, where installed) instead of taking the step's time.
+  # A hung test fails alone (pytest-timeout, where installed) instead of taking the step's time;
+  # a file still running near the step's limit is interrupted (SIGINT), so that pytest says
+  # which tests passed, failed or were running.
   local per_test=() pids=() names=() status=0 file i
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
   # A process per file, all files at once (each log in $OUT/<file>.log): a kernel's fault poisons
@@ -91,7 +94,8 @@ tests() {
     names+=("$(basename "$file" .py)")
     (
       [[ $file == *test_gpu_nn.py ]] && export CUDA_LAUNCH_BLOCKING=1
-      exec "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=8 "${per_test[@]}" "$file"
+      exec timeout -s INT --kill-after=10 $((TEST_LIMIT - 25)) \
+        "$PYTHON" -m pytest -v -m gpu -p no:cacheprovider -rA --durations=8 "${per_test[@]}" "$file"
     ) >"$OUT/${names[-1]}.log" 2>&1 &
     pids+=($!)
   done
@@ -103,13 +107,15 @@ tests() {
   return $status
 }
 
-export PYTHON OUT HP_PREBUILT GPU_TESTS
+TEST_LIMIT=280
+export PYTHON OUT HP_PREBUILT GPU_TESTS TEST_LIMIT
 export -f probe build tests
 step probe 30 probe
 step build 200 build
-step test 300 tests
+step test $TEST_LIMIT tests
+# The benchmarks alone on the GPU: comm first (the shorter), headline's parts print as they end.
+step comm 120 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
 step headline 330 '"$PYTHON" bench/gpu_headline.py'
-step comm 150 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
 
 if ((${#failed[@]})); then
   echo "gpu_check: failed steps: ${failed[*]} (logs in $OUT)"
