@@ -265,5 +265,6 @@ def device_bytes() -> int:
     """Device memory this process holds in hyperparallel's peer-mapped buffers now (FSDP's
     shards and gradient windows, Muon's buffers, ``symmetric_empty`` tensors): what it holds
     beside torch's caching allocator, so that ``torch.cuda.max_memory_reserved() +
-    device_bytes()`` is this rank's own device memory but for the CUDA context. 0 without GPUs."""
+    device_bytes()`` is this rank's own device memory but for the CUDA context (and, across
+    nodes, NCCL's buffers). 0 without GPUs."""
     return _C.device_held_bytes()

@@ -141,7 +141,7 @@ class DeviceMuon : public MuonPlan {
   std::shared_ptr<fabric::PeerMemory> buffer_;
   at::Tensor bytes_;  // this rank's buffer as bytes
   std::unique_ptr<fabric::DeviceSignal> written_, read_;
-  std::vector<std::unique_ptr<fabric::DeviceSignal>> solved_;  // per sharded pool: its owners' results are there
+  std::vector<std::unique_ptr<fabric::DeviceSignal>> solved_;  // per pool (null if private): its owners' results are there
   fabric::CopyBatch gather_;                 // owners' pulls of their matrices' rows, planned once
   std::vector<fabric::CopyBatch> scatter_;   // per pool: this rank's pulls of its rows of the results
   // A parameter's rows in this rank's buffer as few tensors as the layout

@@ -77,7 +77,7 @@ class Trainer:
         self.stop = cfg.train.stop_at or cfg.train.steps
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.phases = report.Phases(self.device)
-        self.peak_device_bytes = 0
+        self.peak_device_bytes, self.device_steps = 0, 0
 
     def _resume(self) -> int:
         """The step to start from: the latest checkpoint's, loaded into model, optimizers and loader; else 0."""
@@ -114,11 +114,16 @@ class Trainer:
         loss, aux_loss = losses.tolist()
         wall = time.perf_counter() - t0
         if self.device.type == "cuda":
-            # This rank's own device memory but for the CUDA context: torch's allocator at its
-            # peak (what it reserved) and hp's peer-mapped buffers beside it. Not the device's
-            # count, which holds every process on the GPU (ranks sharing it, other jobs).
-            self.peak_device_bytes = max(self.peak_device_bytes,
-                                         torch.cuda.max_memory_reserved(self.device) + hp.comm.device_bytes())
+            # This rank's own device memory but for the CUDA context: torch's allocator at this
+            # step's peak (what it reserved) and hp's peer-mapped buffers beside it. Not the
+            # device's count, which holds every process on the GPU (ranks sharing it, other
+            # jobs). The first step's figure stands only alone: Muon makes its plan's buffer
+            # after that step's peak, in cache memory it empties for it, and the sum would count
+            # that memory twice; from the second step on the buffers live through the step.
+            now = torch.cuda.max_memory_reserved(self.device) + hp.comm.device_bytes()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.device_steps += 1
+            self.peak_device_bytes = now if self.device_steps <= 2 else max(self.peak_device_bytes, now)
         return {
             "step": self.step, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / wall, "step_s": wall,
@@ -155,6 +160,8 @@ class Trainer:
         records: list[dict[str, Any]] = []
         saved: Path | None = None
         t_loop = time.perf_counter()
+        if self.device.type == "cuda":  # the steps' peaks, not the set-up's (the model is built whole)
+            torch.cuda.reset_peak_memory_stats(self.device)
         while self.step < self.stop:
             record = self.train_step()
             records.append(record)

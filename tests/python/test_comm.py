@@ -85,7 +85,7 @@ def collectives_match_gloo(seed: int) -> dict:
                 zero_copy_bytes += hp.comm.stats()["bytes_copied"]
                 assert_close(shard, hp.comm.local_rows(_sum(x * step)), **tol)
     hp.comm.barrier()
-    return {"zero_copy_bytes": zero_copy_bytes, "hierarchical": hierarchical}
+    return {"zero_copy_bytes": zero_copy_bytes, "hierarchical": hierarchical, "device_bytes": hp.comm.device_bytes()}
 
 
 def _sum(x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,7 @@ def test_collectives_match_gloo(nproc):
     assert sorted(results) == list(range(nproc))
     for result in results.values():
         assert result["zero_copy_bytes"] == 0  # all-gather and reduce-scatter copy nothing in a node
+        assert result["device_bytes"] == 0  # shared-memory windows are not device memory
 
 
 def test_collectives_match_gloo_across_two_nodes():

@@ -121,35 +121,39 @@ def test_collectives_match_gloo_across_two_nodes():
     assert all(result["hierarchical"] for result in results.values())
 
 
-def symmetric_freed_while_a_peer_lags(rounds: int) -> list[bool]:
+def symmetric_freed_while_a_peer_lags(rounds: int) -> dict[str, list[bool]]:
     """Each rank drops its symmetric gradient right after the reduce-scatter is enqueued, while the
     last rank is still sleeping before its own; the memory others then allocate and overwrite may
-    be the freed slot. The last rank's sums must still be every rank's values."""
+    be the freed slot. The last rank's sums must still be every rank's values. hp.comm.device_bytes
+    counts the gradient while it lives, and not after."""
     hp.comm.init()
     device = hp.comm.device()
     torch.cuda.set_device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, cols = 2 * world, 1 << 18
-    correct = []
+    correct, counted = [], []
     for step in range(rounds):
+        held = hp.comm.device_bytes()
         grad = hp.comm.symmetric_empty((rows, cols), torch.float32, device=device)
+        grew = hp.comm.device_bytes() - held == grad.nbytes
         grad.fill_(rank + 1 + step)
         out = torch.empty(rows // world, cols, device=device)
         if rank == world - 1:
             time.sleep(0.5)
         hp.comm.reduce_scatter_symmetric(out, grad)
         del grad  # freed only once every peer's reduce has read it
+        counted.append(grew and hp.comm.device_bytes() == held)
         junk = [torch.full((rows, cols), -1e9, device=device) for _ in range(4)]
         expected = sum(r + 1 + step for r in range(world))
         correct.append(bool((out == expected).all().item()))
         del junk
     hp.comm.barrier()
-    return correct
+    return {"correct": correct, "counted": counted}
 
 
 def test_symmetric_tensor_freed_while_a_peer_still_reads_it():
     results = run(symmetric_freed_while_a_peer_lags, nproc=2, args=(3,))
-    assert all(all(correct) for correct in results.values()), results
+    assert all(all(r["correct"]) and all(r["counted"]) for r in results.values()), results
 
 
 # A rank killed mid-collective: the survivors raise FabricError naming it; nothing is left
