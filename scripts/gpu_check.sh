@@ -114,7 +114,7 @@ step probe 30 probe
 step build 200 build
 step test $TEST_LIMIT tests
 # The benchmarks alone on the GPU: comm first (the shorter), headline's parts print as they end.
-step comm 120 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
+step comm 150 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
 step headline 330 '"$PYTHON" bench/gpu_headline.py'
 
 if ((${#failed[@]})); then
