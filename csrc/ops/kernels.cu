@@ -8,7 +8,9 @@
 // rstd). A block owns a row.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -241,16 +243,54 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------
-// SwiGLU and the weighted gather of the experts' rows.
+// SwiGLU and the weighted gather of the experts' rows. These are bandwidth's:
+// each thread moves 16 bytes per access (a Pack) where the rows allow it
+// (widths a multiple of a Pack, 16-byte aligned: what torch._grouped_mm's
+// outputs are), one element otherwise, with the same arithmetic per element.
+
+// The elements of T in one 16-byte access.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
 
 template <typename T>
+__device__ Pack<T> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T>*>(p);
+}
+
+template <typename T>
+__device__ void store_pack(T* p, const Pack<T>& value) {
+  *reinterpret_cast<Pack<T>*>(p) = value;
+}
+
+// Whether rows of `width` elements starting at each pointer are whole packs.
+template <typename T>
+bool packs(int64_t width, std::initializer_list<const void*> pointers) {
+  if (width % Pack<T>::kSize != 0) return false;
+  for (const void* p : pointers)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// V: elements per thread per access (1, or a Pack's).
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     swiglu_forward_kernel(const T* __restrict__ gu, T* __restrict__ a, int64_t rows, int64_t inter) {
-  const int64_t n = rows * inter;
+  const int64_t per_row = inter / V, n = rows * per_row;
   for (int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x; e < n; e += int64_t(gridDim.x) * kThreads) {
-    const int64_t row = e / inter, i = e % inter;
+    const int64_t row = e / per_row, i = e % per_row * V;
     const T* gr = gu + row * 2 * inter;
-    a[e] = from_float<T>(math::swiglu(to_float(gr[i]), to_float(gr[inter + i])));
+    if constexpr (V == 1) {
+      a[row * inter + i] = from_float<T>(math::swiglu(to_float(gr[i]), to_float(gr[inter + i])));
+    } else {
+      const Pack<T> g = load_pack(gr + i), u = load_pack(gr + inter + i);
+      Pack<T> out;
+#pragma unroll
+      for (int q = 0; q < V; ++q) out.v[q] = from_float<T>(math::swiglu(to_float(g.v[q]), to_float(u.v[q])));
+      store_pack(a + row * inter + i, out);
+    }
   }
 }
 
@@ -282,19 +322,48 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, typename Tw>
+// blockIdx.y is the group; an active group's blocks return at once. 16-byte
+// stores where the group starts on 16 bytes, then bytes for the rest.
+__global__ void __launch_bounds__(kThreads)
+    zero_idle_groups_kernel(char* __restrict__ data, const int64_t* __restrict__ offsets, int64_t group_bytes) {
+  const int64_t g = blockIdx.y;
+  if (offsets[g + 1] != offsets[g]) return;
+  char* base = data + g * group_bytes;
+  const int64_t stride = int64_t(gridDim.x) * kThreads, first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t words = reinterpret_cast<uintptr_t>(base) % 16 == 0 ? group_bytes / 16 : 0;
+  for (int64_t i = first; i < words; i += stride) reinterpret_cast<uint4*>(base)[i] = make_uint4(0, 0, 0, 0);
+  for (int64_t i = words * 16 + first; i < group_bytes; i += stride) base[i] = 0;
+}
+
+template <typename T, typename Tw, int V>
 __global__ void __launch_bounds__(kThreads)
     gather_sum_kernel(const T* __restrict__ src, const int64_t* __restrict__ pos, const Tw* __restrict__ w,
                       int64_t tokens, int64_t k, int64_t hidden, T* __restrict__ out) {
-  const int64_t n = tokens * hidden;
+  const int64_t per_row = hidden / V, n = tokens * per_row;
   for (int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x; e < n; e += int64_t(gridDim.x) * kThreads) {
-    const int64_t t = e / hidden, i = e % hidden;
-    float acc = 0.f;
+    const int64_t t = e / per_row, i = e % per_row * V;
+    float acc[V];
+#pragma unroll
+    for (int q = 0; q < V; ++q) acc[q] = 0.f;
     for (int64_t j = 0; j < k; ++j) {
       const float wj = w ? to_float(w[t * k + j]) : 1.0f;
-      acc += to_float(src[pos[t * k + j] * hidden + i]) * wj;
+      const T* row = src + pos[t * k + j] * hidden + i;
+      if constexpr (V == 1) {
+        acc[0] += to_float(row[0]) * wj;
+      } else {
+        const Pack<T> x = load_pack(row);
+#pragma unroll
+        for (int q = 0; q < V; ++q) acc[q] += to_float(x.v[q]) * wj;
+      }
     }
-    out[e] = from_float<T>(acc);
+    if constexpr (V == 1) {
+      out[t * hidden + i] = from_float<T>(acc[0]);
+    } else {
+      Pack<T> o;
+#pragma unroll
+      for (int q = 0; q < V; ++q) o.v[q] = from_float<T>(acc[q]);
+      store_pack(out + t * hidden + i, o);
+    }
   }
 }
 
@@ -364,8 +433,15 @@ void swiglu_forward(DType t, const void* gu, void* a, int64_t rows, int64_t inte
   if (rows * inter == 0) return;
   with_type(t, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_forward_kernel<T><<<blocks_for(rows * inter, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(gu), static_cast<T*>(a), rows, inter);
+    constexpr int V = Pack<T>::kSize;
+    auto s = static_cast<cudaStream_t>(stream);
+    if (packs<T>(inter, {gu, a}))
+      swiglu_forward_kernel<T, V><<<blocks_for(rows * inter / V, kThreads), kThreads, 0, s>>>(
+          static_cast<const T*>(gu), static_cast<T*>(a), rows, inter);
+    else
+      swiglu_forward_kernel<T, 1><<<blocks_for(rows * inter, kThreads), kThreads, 0, s>>>(static_cast<const T*>(gu),
+                                                                                            static_cast<T*>(a), rows,
+                                                                                            inter);
   });
   check_launch("swiglu forward");
 }
@@ -382,6 +458,16 @@ void swiglu_backward(DType t, const void* gu, const void* da, const float* row_w
   check_launch("swiglu backward");
 }
 
+void zero_idle_groups(void* data, const int64_t* offsets, int64_t groups, int64_t group_bytes, void* stream) {
+  if (groups == 0 || group_bytes == 0) return;
+  if (groups > 65535) throw std::invalid_argument("hyperparallel: zero_idle_groups takes at most 65535 groups");
+  // A few blocks a group: an idle expert's gradient is megabytes, an active one's blocks only read two offsets.
+  const dim3 grid(std::min(blocks_for(group_bytes / 16 + 1, kThreads), 64u), unsigned(groups));
+  zero_idle_groups_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<char*>(data), offsets,
+                                                                                     group_bytes);
+  check_launch("zero_idle_groups");
+}
+
 void gather_sum(DType t, const void* src, const int64_t* pos, DType wt, const void* w, int64_t tokens, int64_t k,
                 int64_t hidden, void* out, void* stream) {
   if (tokens * hidden == 0) return;
@@ -389,10 +475,14 @@ void gather_sum(DType t, const void* src, const int64_t* pos, DType wt, const vo
     with_type(wt, [&](auto wtag) {
       using T = decltype(tag);
       using Tw = decltype(wtag);
-      gather_sum_kernel<T, Tw><<<blocks_for(tokens * hidden, kThreads), kThreads, 0,
-                                 static_cast<cudaStream_t>(stream)>>>(static_cast<const T*>(src), pos,
-                                                                      static_cast<const Tw*>(w), tokens, k, hidden,
-                                                                      static_cast<T*>(out));
+      constexpr int V = Pack<T>::kSize;
+      auto s = static_cast<cudaStream_t>(stream);
+      if (packs<T>(hidden, {src, out}))
+        gather_sum_kernel<T, Tw, V><<<blocks_for(tokens * hidden / V, kThreads), kThreads, 0, s>>>(
+            static_cast<const T*>(src), pos, static_cast<const Tw*>(w), tokens, k, hidden, static_cast<T*>(out));
+      else
+        gather_sum_kernel<T, Tw, 1><<<blocks_for(tokens * hidden, kThreads), kThreads, 0, s>>>(
+            static_cast<const T*>(src), pos, static_cast<const Tw*>(w), tokens, k, hidden, static_cast<T*>(out));
     });
   });
   check_launch("gather_sum");

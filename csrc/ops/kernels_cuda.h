@@ -42,6 +42,13 @@ void swiglu_forward(DType t, const void* gu, void* a, int64_t rows, int64_t inte
 void swiglu_backward(DType t, const void* gu, const void* da, const float* row_weight, void* dgu, void* a_w,
                      float* row_dot, int64_t rows, int64_t inter, void* stream);
 
+// Zeroes the groups of `data` (groups x group_bytes, contiguous) that no row
+// reached, offsets[g] == offsets[g + 1] (int64, groups + 1 of them): the
+// experts' weight gradients of experts no token chose. Reads only the
+// offsets and writes only those groups, where a mask over the whole tensor
+// would read and write all of it.
+void zero_idle_groups(void* data, const int64_t* offsets, int64_t groups, int64_t group_bytes, void* stream);
+
 // out[t] = sum_j w[t, j] * src[pos[t * k + j]] over `hidden` columns, summed
 // in float32 in j order and rounded once (w may be null: all ones).
 void gather_sum(DType t, const void* src, const int64_t* pos, DType wt, const void* w, int64_t tokens, int64_t k,

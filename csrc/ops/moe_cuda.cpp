@@ -172,6 +172,21 @@ at::Tensor aux_backward_cuda(const at::Tensor& grad, const at::Tensor& logits, c
 
 at::Tensor group_ends(const at::Tensor& offsets) { return offsets.narrow(0, 1, offsets.size(0) - 1).to(at::kInt); }
 
+// An expert without rows sums nothing, and not every architecture's grouped
+// GEMM writes an empty group: its weight gradient is zeroed here, without a
+// host sync and without touching the other experts' (a mask would read and
+// write the whole stack).
+at::Tensor& zero_idle(at::Tensor& grads, const at::Tensor& offsets) {
+  if (!grads.is_contiguous()) {  // torch._grouped_mm pads rows that are not 16-byte multiples
+    const int64_t E = grads.size(0);
+    return grads.masked_fill_(offsets.narrow(0, 1, E).eq(offsets.narrow(0, 0, E)).view({E, 1, 1}), 0);
+  }
+  cuda::zero_idle_groups(grads.mutable_data_ptr(), offsets.const_data_ptr<int64_t>(), grads.size(0),
+                         grads.numel() / std::max<int64_t>(grads.size(0), 1) * grads.element_size(),
+                         cuda_stream(grads));
+  return grads;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_forward_cuda(const at::Tensor& input,
                                                                                 const at::Tensor& gate_up,
                                                                                 const at::Tensor& down,
@@ -225,13 +240,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_backward_cuda
                         dgu.mutable_data_ptr(), a_w.mutable_data_ptr(), row_dot.mutable_data_ptr<float>(), N, I,
                         cuda_stream(gu));
   // The weights' gradients group the sums by expert (torch._grouped_mm's
-  // 2-D x 2-D form). An expert without rows sums nothing: zeroed here, as not
-  // every architecture's kernel writes an empty group (no host sync).
-  const int64_t E = gate_up.size(0);
-  const at::Tensor idle = offsets.narrow(0, 1, E).eq(offsets.narrow(0, 0, E)).view({E, 1, 1});
-  at::Tensor d_down = at::_grouped_mm(g_rows.t(), a_w, ends).masked_fill_(idle, 0);
+  // 2-D x 2-D form).
+  at::Tensor d_down = at::_grouped_mm(g_rows.t(), a_w, ends);
+  zero_idle(d_down, offsets);
   const at::Tensor rows = input.index_select(0, token);
-  at::Tensor d_gate_up = at::_grouped_mm(dgu.t(), rows, ends).masked_fill_(idle, 0);
+  at::Tensor d_gate_up = at::_grouped_mm(dgu.t(), rows, ends);
+  zero_idle(d_gate_up, offsets);
   const at::Tensor dx_rows = at::_grouped_mm(dgu, gate_up, ends);
   at::Tensor dx = gather_sum(dx_rows, positions, at::Tensor(), T, K);
   at::Tensor d_weights = row_dot.index_select(0, positions).view(weights.sizes()).to(weights.scalar_type());
