@@ -294,8 +294,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// A warp per row: the row's dot(da, a) is one warp sum.
-template <typename T>
+// A warp per row: the row's dot(da, a) is one warp sum. Each lane takes V
+// consecutive elements at a time (V: 1, or a Pack's).
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     swiglu_backward_kernel(const T* __restrict__ gu, const T* __restrict__ da, const float* __restrict__ row_weight,
                            T* __restrict__ dgu, T* __restrict__ a_w, float* __restrict__ row_dot, int64_t rows,
@@ -307,13 +308,30 @@ __global__ void __launch_bounds__(kThreads)
     T* dgr = dgu + r * 2 * inter;
     const float weight = row_weight ? row_weight[r] : 1.0f;
     float acc = 0.f;
-    for (int64_t i = lane; i < inter; i += 32) {
-      const float dav = to_float(dar[i]);
-      const math::SwigluGrad grad = math::swiglu_grad(to_float(gr[i]), to_float(gr[inter + i]), dav, weight);
-      dgr[i] = from_float<T>(grad.dg);
-      dgr[inter + i] = from_float<T>(grad.du);
-      if (a_w) a_w[r * inter + i] = from_float<T>(grad.a * weight);
-      acc += dav * grad.a;
+    for (int64_t i = int64_t(lane) * V; i < inter; i += 32 * V) {
+      if constexpr (V == 1) {
+        const float dav = to_float(dar[i]);
+        const math::SwigluGrad grad = math::swiglu_grad(to_float(gr[i]), to_float(gr[inter + i]), dav, weight);
+        dgr[i] = from_float<T>(grad.dg);
+        dgr[inter + i] = from_float<T>(grad.du);
+        if (a_w) a_w[r * inter + i] = from_float<T>(grad.a * weight);
+        acc += dav * grad.a;
+      } else {
+        const Pack<T> g = load_pack(gr + i), u = load_pack(gr + inter + i), d = load_pack(dar + i);
+        Pack<T> dg, du, aw;
+#pragma unroll
+        for (int q = 0; q < V; ++q) {
+          const float dav = to_float(d.v[q]);
+          const math::SwigluGrad grad = math::swiglu_grad(to_float(g.v[q]), to_float(u.v[q]), dav, weight);
+          dg.v[q] = from_float<T>(grad.dg);
+          du.v[q] = from_float<T>(grad.du);
+          aw.v[q] = from_float<T>(grad.a * weight);
+          acc += dav * grad.a;
+        }
+        store_pack(dgr + i, dg);
+        store_pack(dgr + inter + i, du);
+        if (a_w) store_pack(a_w + r * inter + i, aw);
+      }
     }
     if (row_dot) {
       acc = warp_sum(acc);
@@ -451,9 +469,16 @@ void swiglu_backward(DType t, const void* gu, const void* da, const float* row_w
   if (rows == 0) return;
   with_type(t, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_backward_kernel<T><<<blocks_for(rows, kWarps), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(gu), static_cast<const T*>(da), row_weight, static_cast<T*>(dgu), static_cast<T*>(a_w),
-        row_dot, rows, inter);
+    auto s = static_cast<cudaStream_t>(stream);
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(static_cast<const T*>(gu), static_cast<const T*>(da),
+                                                           row_weight, static_cast<T*>(dgu), static_cast<T*>(a_w),
+                                                           row_dot, rows, inter);
+    };
+    if (packs<T>(inter, {gu, da, dgu, a_w ? a_w : dgu}))
+      launch(swiglu_backward_kernel<T, Pack<T>::kSize>);
+    else
+      launch(swiglu_backward_kernel<T, 1>);
   });
   check_launch("swiglu backward");
 }
