@@ -177,13 +177,16 @@ at::Tensor group_ends(const at::Tensor& offsets) { return offsets.narrow(0, 1, o
 // host sync and without touching the other experts' (a mask would read and
 // write the whole stack).
 at::Tensor& zero_idle(at::Tensor& grads, const at::Tensor& offsets) {
-  if (!grads.is_contiguous()) {  // torch._grouped_mm pads rows that are not 16-byte multiples
-    const int64_t E = grads.size(0);
+  const int64_t E = grads.size(0);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.numel() == E + 1 &&
+                  offsets.device() == grads.device(),
+              "hyperparallel::moe_experts_backward: offsets must be the forward's (int64, experts + 1 of them, on ",
+              grads.device(), "); got ", offsets.scalar_type(), " ", offsets.sizes(), " on ", offsets.device());
+  if (!grads.is_contiguous() || E > 65535)  // a padded output (torch's, never seen here) or a grid too tall
     return grads.masked_fill_(offsets.narrow(0, 1, E).eq(offsets.narrow(0, 0, E)).view({E, 1, 1}), 0);
-  }
-  cuda::zero_idle_groups(grads.mutable_data_ptr(), offsets.const_data_ptr<int64_t>(), grads.size(0),
-                         grads.numel() / std::max<int64_t>(grads.size(0), 1) * grads.element_size(),
-                         cuda_stream(grads));
+  const at::Tensor ends = offsets.contiguous();
+  cuda::zero_idle_groups(grads.mutable_data_ptr(), ends.const_data_ptr<int64_t>(), E,
+                         grads.numel() / std::max<int64_t>(E, 1) * grads.element_size(), cuda_stream(grads));
   return grads;
 }
 

@@ -47,8 +47,8 @@ def moe(heads, kv_heads, head_dim, experts, top_k, norm, seq, **extra) -> dict:
     }
 
 
-def dense(heads, kv_heads, head_dim, seq) -> dict:
-    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "seq": seq}
+def dense(heads, kv_heads, head_dim, seq, **extra) -> dict:
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "seq": seq, **extra}
 
 
 MOE_CONFIGS = {
@@ -59,7 +59,8 @@ MOE_CONFIGS = {
     "h4-kv4-d64-e8-k8-norm": moe(4, 4, 64, 8, 8, True, seq=9),
     "h8-kv2-d16-e12-k2-norm-long": moe(8, 2, 16, 12, 2, True, seq=130, batch=1),
 }
-DENSE_CONFIGS = {"h4-kv2-d16": dense(4, 2, 16, seq=31), "h3-kv1-d32": dense(3, 1, 32, seq=70)}
+# i42: an intermediate size that is no whole number of 16-byte packs (the CUDA kernels' one-element path).
+DENSE_CONFIGS = {"h4-kv2-d16": dense(4, 2, 16, seq=31), "h3-kv1-d32-i42": dense(3, 1, 32, seq=70, intermediate_size=42)}
 
 
 def make_config(kind: str, **values):
