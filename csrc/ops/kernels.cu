@@ -451,15 +451,15 @@ void swiglu_forward(DType t, const void* gu, void* a, int64_t rows, int64_t inte
   if (rows * inter == 0) return;
   with_type(t, [&](auto tag) {
     using T = decltype(tag);
-    constexpr int V = Pack<T>::kSize;
-    auto s = static_cast<cudaStream_t>(stream);
-    if (packs<T>(inter, {gu, a}))
-      swiglu_forward_kernel<T, V><<<blocks_for(rows * inter / V, kThreads), kThreads, 0, s>>>(
+    auto launch = [&](auto kernel, int64_t per_access) {
+      kernel<<<blocks_for(rows * inter / per_access, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
           static_cast<const T*>(gu), static_cast<T*>(a), rows, inter);
+    };
+    constexpr int V = Pack<T>::kSize;
+    if (packs<T>(inter, {gu, a}))
+      launch(swiglu_forward_kernel<T, V>, V);
     else
-      swiglu_forward_kernel<T, 1><<<blocks_for(rows * inter, kThreads), kThreads, 0, s>>>(static_cast<const T*>(gu),
-                                                                                            static_cast<T*>(a), rows,
-                                                                                            inter);
+      launch(swiglu_forward_kernel<T, 1>, 1);
   });
   check_launch("swiglu forward");
 }
@@ -500,14 +500,15 @@ void gather_sum(DType t, const void* src, const int64_t* pos, DType wt, const vo
     with_type(wt, [&](auto wtag) {
       using T = decltype(tag);
       using Tw = decltype(wtag);
+      auto launch = [&](auto kernel, int64_t per_access) {
+        kernel<<<blocks_for(tokens * hidden / per_access, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+            static_cast<const T*>(src), pos, static_cast<const Tw*>(w), tokens, k, hidden, static_cast<T*>(out));
+      };
       constexpr int V = Pack<T>::kSize;
-      auto s = static_cast<cudaStream_t>(stream);
       if (packs<T>(hidden, {src, out}))
-        gather_sum_kernel<T, Tw, V><<<blocks_for(tokens * hidden / V, kThreads), kThreads, 0, s>>>(
-            static_cast<const T*>(src), pos, static_cast<const Tw*>(w), tokens, k, hidden, static_cast<T*>(out));
+        launch(gather_sum_kernel<T, Tw, V>, V);
       else
-        gather_sum_kernel<T, Tw, 1><<<blocks_for(tokens * hidden, kThreads), kThreads, 0, s>>>(
-            static_cast<const T*>(src), pos, static_cast<const Tw*>(w), tokens, k, hidden, static_cast<T*>(out));
+        launch(gather_sum_kernel<T, Tw, 1>, 1);
     });
   });
   check_launch("gather_sum");

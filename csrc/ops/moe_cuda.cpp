@@ -184,8 +184,8 @@ at::Tensor& zero_idle(at::Tensor& grads, const at::Tensor& offsets) {
               grads.device(), "); got ", offsets.scalar_type(), " ", offsets.sizes(), " on ", offsets.device());
   if (!grads.is_contiguous() || E > 65535)  // a padded output (torch's, never seen here) or a grid too tall
     return grads.masked_fill_(offsets.narrow(0, 1, E).eq(offsets.narrow(0, 0, E)).view({E, 1, 1}), 0);
-  const at::Tensor ends = offsets.contiguous();
-  cuda::zero_idle_groups(grads.mutable_data_ptr(), ends.const_data_ptr<int64_t>(), E,
+  const at::Tensor bounds = offsets.contiguous();
+  cuda::zero_idle_groups(grads.mutable_data_ptr(), bounds.const_data_ptr<int64_t>(), E,
                          grads.numel() / std::max<int64_t>(E, 1) * grads.element_size(), cuda_stream(grads));
   return grads;
 }
