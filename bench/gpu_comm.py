@@ -160,11 +160,12 @@ def _report(result: dict) -> None:
     header = ["MiB", "copy GB/s", "hp AG GB/s", "hp RS GB/s", "RS/copy", "hp RS copy GB/s", "gloo AG GB/s",
               "gloo RS GB/s", "AG hp/gloo", "RS hp/gloo"]
     print(" | ".join(header))
+    nan = float("nan")  # a system that warm-up dropped (see "skipped")
     for row in result["rows"]:
         size = row["mib"] * (1 << 20)
 
         def rate(name, moved, row=row):
-            return moved / (row[name] * 1e-3) / 1e9 if name in row else float("nan")
+            return moved / (row[name] * 1e-3) / 1e9 if name in row else nan
 
         copy_bw = rate("copy", 2 * size)  # rank 0 alone: read + write
         # Every rank's kernel reads its 1/world of every rank's buffer and writes 1/world.
@@ -174,7 +175,7 @@ def _report(result: dict) -> None:
         cells = [
             row["mib"], copy_bw, ag_bw, rs_bw, rs_bw / copy_bw, rate("hp RS copy", world * size),
             rate("gloo AG", world * size), rate("gloo RS", world * size),
-            row.get("gloo AG", float("nan")) / row["hp AG"], row.get("gloo RS", float("nan")) / row["hp RS copy"],
+            row.get("gloo AG", nan) / row.get("hp AG", nan), row.get("gloo RS", nan) / row.get("hp RS copy", nan),
         ]
         print(" | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells))
     if result["gemm_alone_ms"]:
@@ -193,12 +194,15 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     sizes = [s for s in (1, 4, 16, 64, 256, 1024) if s <= args.max_mib]
-    results = [run(measure, nproc=n, args=(sizes, args.repeats))[0] for n in sorted({1, args.nproc})]
-    for result in results:
-        _report(result)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+    # Each pass is reported and saved as it ends: device time is short, and a
+    # later pass that dies must not take an earlier one's figures with it.
+    results = []
+    for n in sorted({1, args.nproc}):
+        results.append(run(measure, nproc=n, args=(sizes, args.repeats))[0])
+        if args.json:
+            with open(args.json, "w") as file:
+                json.dump(results, file, indent=1)
+        _report(results[-1])
 
 
 if __name__ == "__main__":

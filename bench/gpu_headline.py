@@ -189,7 +189,7 @@ def _step_rank(system: str, steps: int, micro: int, seq: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,))
     config = AutoConfig.from_pretrained(CONFIG)
-    config.torch_dtype = torch.float32
+    config.dtype = torch.float32
     torch.manual_seed(0)
     with torch.device(device):  # initialised on the GPU: seconds of device time less than on the CPU, per run
         model = AutoModelForCausalLM.from_config(config)

@@ -21,9 +21,12 @@ from hyperparallel.launch import run
 pytestmark = pytest.mark.gpu
 
 # Same inputs, same bits: CUDA's atomics-based kernels (index_add in MoE routing) would add a
-# run-to-run wobble that is not ours. Set before any rank touches CUDA.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-torch.use_deterministic_algorithms(True, warn_only=True)
+# run-to-run wobble that is not ours. Set at import, before any rank touches CUDA (ranks import
+# this file to find their function); only where there is CUDA, so that a CPU suite collecting
+# this file does not run its other tests in deterministic mode.
+if torch.cuda.is_available():
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 STEPS = 20
 
