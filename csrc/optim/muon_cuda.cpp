@@ -158,6 +158,7 @@ class DeviceMuon : public MuonPlan {
   void lend_private();
   void release_private();
   c10::Stream results_stream_;          // the results' pulls, beside the next pool's Newton-Schulz
+  fabric::DeviceEvent rows_pulled_;     // the owners' pulls of the rows, before Newton-Schulz
   fabric::DeviceEvent results_pulled_;
   std::vector<std::vector<Exchange>> exchanges_;  // per pool, its rounds (several nodes only)
   at::Tensor send_, recv_;                        // the rounds' staging
@@ -170,6 +171,7 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
       counterparts_(std::move(counterparts)),
       device_(device),
       results_stream_(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, false)),
+      rows_pulled_(device.index()),
       results_pulled_(device.index()) {
   c10::DeviceGuard guard(device_);
   bool any_sharded = false;
@@ -599,14 +601,20 @@ void DeviceMuon::step(const std::vector<at::Tensor>& params, const std::vector<a
         rows.copy_(rows_of(momentum[i], run));
     }
   }
+  const fabric::StreamHandle results = results_stream_.native_handle();
   if (written_) {
+    // The owners' pulls go on the results stream, and the compute stream
+    // waits for them: torch's default stream is the legacy one, which the
+    // copy batch API refuses (a copy call per piece there, thousands of
+    // them with many experts).
     const uint64_t round = written_->post(stream);
-    written_->wait_all(round, stream, "hp.optim.Muon (waiting for peers' rows)");
-    gather_.run(stream);
+    written_->wait_all(round, results, "hp.optim.Muon (waiting for peers' rows)");
+    gather_.run(results);
+    rows_pulled_.record(results);
+    rows_pulled_.wait(stream);
   }
   // Each pool's results travel on their own stream while the next pool is
   // orthogonalised.
-  const fabric::StreamHandle results = results_stream_.native_handle();
   for (std::size_t p = 0; p < pools_.size(); ++p) {
     const Pool& pool = pools_[p];
     if (pool.batch.size(0) > 0) newton_schulz_(pool.batch, pool.ns);
