@@ -50,7 +50,7 @@ std::chrono::milliseconds env_seconds(const char* name, std::chrono::millisecond
 
 struct alignas(kLine) RankSlot {
   std::atomic<int64_t> heartbeat_ns;
-  int32_t pid;
+  std::atomic<int32_t> pid;  // non-zero: joined; written last, so a peer that sees it sees the rest
   int32_t global_rank;
   std::atomic<uint32_t> left;  // set by shutdown(): the rank will post nothing more
 };
@@ -122,9 +122,11 @@ Fabric::Fabric(const Topology& topology, Bootstrap& bootstrap, Options options)
       throw std::runtime_error("hyperparallel: control segment " + name + " does not belong to this job");
   }
   RankSlot& slot = control()->slots[topology.local_rank];
-  slot.pid = getpid();
+  // The pid last: a peer that sees it checks the heartbeat (one read before
+  // it was written looked 'silent' since boot: a false "stopped answering").
   slot.global_rank = topology.rank;
   slot.heartbeat_ns.store(sys::monotonic_ns());
+  slot.pid.store(getpid());
   auto own = [&](int channel) {
     char* counters = static_cast<char*>(control_->data()) + sizeof(Control);
     return Channel(this, counters + std::size_t(channel) * topology.local_world_size * kLine, nullptr);
