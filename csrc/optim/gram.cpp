@@ -11,9 +11,57 @@
 
 namespace hp::optim::gram {
 
-bool available() { return simd::avx512_bf16(); }
+Kind kind() {
+  static const Kind here = simd::avx512_bf16()                  ? Kind::dot
+                           : simd::isa() == simd::Isa::avx512 ? Kind::emulated
+                                                              : Kind::none;
+  return here;
+}
+
+bool fits(int64_t rows, int64_t cols, int64_t k, int threads) {
+  if (rows < 2 || cols < 2 || k <= 0 || k % 2 != 0 || rows * cols * k <= 4096) return false;
+  if (kind() != Kind::emulated) return true;
+  if (k > 384 && k < 1536 && k % 4 != 0) return false;
+  const int64_t outputs = rows * cols, team = std::max(threads, 1);
+  const int64_t larger = (outputs + team - 1) / team, smaller = larger - 1, with_larger = outputs - smaller * team;
+  for (int64_t t = 0; t < team; ++t) {
+    const int64_t start = t <= with_larger ? t * larger : with_larger * larger + (t - with_larger) * smaller;
+    const int64_t size = t < with_larger ? larger : smaller;
+    if (size > 0 && (start % cols != 0 || size % cols != 0 || size / cols < 2)) return false;
+  }
+  return true;
+}
+
+int64_t packed_words(int64_t m, int64_t k) {
+  const int64_t rows = (m + kBlock - 1) / kBlock * kBlock;
+  return kind() == Kind::emulated ? rows * k : rows * (k / 2);
+}
+
+namespace {
+
+// The emulated kernels' operand: each pair of k as two float32 rows of 32
+// (the odd k's, then the even k's), so that the FMAs read it as it is.
+void pack_floats(const uint16_t* y, int64_t m, int64_t k, float* packed) {
+  const int64_t pairs = k / 2;
+  const auto* words = reinterpret_cast<const uint32_t*>(y);
+  for (int64_t j0 = 0; j0 < m; j0 += kBlock) {
+    float* block = packed + j0 * k;
+    const int64_t rows = std::min(kBlock, m - j0);
+    if (rows < kBlock) std::memset(block, 0, sizeof(float) * kBlock * k);
+    for (int64_t q = 0; q < pairs; ++q)
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t word = words[(j0 + r) * pairs + q];  // the even k in the low half
+        const uint32_t odd = word & 0xFFFF0000u, even = word << 16;
+        std::memcpy(block + q * 2 * kBlock + r, &odd, sizeof odd);
+        std::memcpy(block + q * 2 * kBlock + kBlock + r, &even, sizeof even);
+      }
+  }
+}
+
+}  // namespace
 
 void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed) {
+  if (kind() == Kind::emulated) return pack_floats(y, m, k, reinterpret_cast<float*>(packed));
   const int64_t pairs = k / 2;
   const auto* words = reinterpret_cast<const uint32_t*>(y);  // a pair of bfloat16 is one word: no arithmetic
   for (int64_t j0 = 0; j0 < m; j0 += kBlock) {
@@ -51,6 +99,7 @@ void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed) {
 namespace {
 
 #define HP_GRAM_TARGET HP_SIMD_TARGET(HP_SIMD_AVX512_BF16)
+#define HP_GRAM_EMULATED_TARGET HP_SIMD_TARGET(HP_SIMD_AVX512)
 
 // The blocks of k oneDNN sums separately (see gram.h), in elements.
 int64_t k_block(int64_t k) { return k <= 512 ? k : k <= 1024 ? 512 : 1024; }
@@ -101,10 +150,107 @@ HP_GRAM_TARGET void store(const float* acc, int rows, int64_t m, int64_t i, int6
     }
 }
 
-}  // namespace
+// ---------------------------------------------------------------------------
+// Emulated (gemm:jit:bf16's sums, see gram.h).
 
-void upper_block(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k, int64_t block, const uint16_t* c,
-                 float beta, float alpha, uint16_t* out) {
+// The end of the k block (in pairs) that starts at pair q0.
+int64_t emulated_block_end(int64_t k, int64_t q0) {
+  const int64_t pairs = k / 2;
+  if (k <= 384) return pairs;
+  if (k <= 1536) return q0 == 0 ? pairs / 2 : pairs;  // halves (fits: pairs even)
+  return std::min(q0 + 384, pairs);
+}
+
+// acc (MR x 32 floats) = rows [r, r + MR) of a 32-row block (`a`: the
+// block's packed floats from row r on) · the packed column block `b`, k in
+// gemm:jit:bf16's blocks, alpha applied as each block ends and the addend
+// `c` (MR x 32 floats, or null) after the last.
+template <int MR>
+HP_GRAM_EMULATED_TARGET void tile_emulated(const float* a, const float* b, int64_t k, const float* c, float beta,
+                                           float alpha, float* acc) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int64_t q0 = 0, pairs = k / 2; q0 < pairs;) {
+    const int64_t q1 = emulated_block_end(k, q0);
+    __m512 sum[MR][2];
+    for (int r = 0; r < MR; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+    for (int64_t q = q0; q < q1; ++q) {
+      const float* bq = b + q * 2 * kBlock;
+      const __m512 odd0 = _mm512_loadu_ps(bq), odd1 = _mm512_loadu_ps(bq + 16);
+      const __m512 even0 = _mm512_loadu_ps(bq + kBlock), even1 = _mm512_loadu_ps(bq + kBlock + 16);
+      const float* aq = a + q * 2 * kBlock;
+#pragma GCC unroll 12
+      for (int r = 0; r < MR; ++r) {
+        const __m512 odd = _mm512_set1_ps(aq[r]), even = _mm512_set1_ps(aq[kBlock + r]);
+        sum[r][0] = _mm512_fmadd_ps(odd, odd0, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(odd, odd1, sum[r][1]);
+        sum[r][0] = _mm512_fmadd_ps(even, even0, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(even, even1, sum[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) {
+        float* dst = acc + r * kBlock + h * 16;
+        const __m512 total = q0 == 0 ? _mm512_mul_ps(sum[r][h], va) : _mm512_fmadd_ps(sum[r][h], va, _mm512_loadu_ps(dst));
+        const bool last = q1 == pairs;
+        _mm512_storeu_ps(dst, last && c ? _mm512_fmadd_ps(_mm512_loadu_ps(c + r * kBlock + h * 16), vb, total) : total);
+      }
+    q0 = q1;
+  }
+}
+
+// Rows [i, i + MR) of the column block [j0, j0 + cols): the addend's
+// floats, the tile, and its bfloat16 results (simd::float_to_bf16's rounding,
+// without the instruction this CPU lacks).
+// out and c have rows of `ld` elements.
+template <int MR>
+HP_GRAM_EMULATED_TARGET void rows_emulated(const float* a, const float* b, int64_t ld, int64_t k, int64_t i,
+                                           int64_t j0, int64_t cols, const uint16_t* c, float beta, float alpha,
+                                           uint16_t* out) {
+  alignas(64) float acc[MR * kBlock], addend[MR * kBlock];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = std::clamp<int64_t>(cols - 16 * h, 0, 16);
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      const int64_t at = (i + r) * ld + j0 + 16 * h;
+      if (c) {
+        const __m256i bits = _mm256_maskz_loadu_epi16(mask, c + at);
+        _mm512_storeu_ps(addend + r * kBlock + h * 16,
+                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      }
+    }
+  tile_emulated<MR>(a, b, k, c ? addend : nullptr, beta, alpha, acc);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = std::clamp<int64_t>(cols - 16 * h, 0, 16);
+      if (n == 0) break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      const __m512 v = _mm512_loadu_ps(acc + r * kBlock + h * 16);
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+      _mm256_mask_storeu_epi16(out + (i + r) * ld + j0 + 16 * h, mask, _mm512_cvtepi32_epi16(bits));
+    }
+}
+
+// Rows [0, rows) of the output's column block [j0, j0 + cols): `a` is the
+// packed rows, `b` the packed column block.
+void block_emulated(const float* a, const float* b, int64_t rows, int64_t ld, int64_t k, int64_t j0, int64_t cols,
+                    const uint16_t* c, float beta, float alpha, uint16_t* out) {
+  // Tiles stay within a packed 32-row block: their rows' floats share a base.
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+    const float* block = a + r0 * k;
+    const int64_t end = std::min(r0 + kBlock, rows);
+    int64_t i = r0;
+    for (; i + 12 <= end; i += 12) rows_emulated<12>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
+    for (; i + 4 <= end; i += 4) rows_emulated<4>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
+    for (; i < end; ++i) rows_emulated<1>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
+  }
+}
+
+void upper_block_dot(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k, int64_t block,
+                     const uint16_t* c, float beta, float alpha, uint16_t* out) {
   const int64_t pairs = k / 2, block_pairs = k_block(k) / 2;
   const int64_t j0 = block * kBlock, cols = std::min(kBlock, m - j0), rows = j0 + cols;
   const auto* words = reinterpret_cast<const uint32_t*>(y);
@@ -124,10 +270,34 @@ void upper_block(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k
     store(acc, 1, m, i, j0, cols, c, beta, alpha, out);
   }
 }
+
+}  // namespace
+
+void upper_block(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k, int64_t block, const uint16_t* c,
+                 float beta, float alpha, uint16_t* out) {
+  if (kind() == Kind::emulated) {
+    const auto* floats = reinterpret_cast<const float*>(packed);
+    const int64_t j0 = block * kBlock, cols = std::min(kBlock, m - j0);
+    block_emulated(floats, floats + j0 * k, j0 + cols, m, k, j0, cols, c, beta, alpha, out);
+  } else {
+    upper_block_dot(y, packed, m, k, block, c, beta, alpha, out);
+  }
+}
+
+void product_block(const uint32_t* a, const uint32_t* bt, int64_t m, int64_t n, int64_t k, int64_t block,
+                   const uint16_t* c, float beta, float alpha, uint16_t* out) {
+  const auto* rows = reinterpret_cast<const float*>(a);
+  const int64_t j0 = block * kBlock, cols = std::min(kBlock, n - j0);
+  block_emulated(rows, reinterpret_cast<const float*>(bt) + j0 * k, m, n, k, j0, cols, c, beta, alpha, out);
+}
 #else
 // available() is false here, so nothing calls it.
 void upper_block(const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t, const uint16_t*, float, float,
                  uint16_t*) {
+  __builtin_trap();
+}
+void product_block(const uint32_t*, const uint32_t*, int64_t, int64_t, int64_t, int64_t, const uint16_t*, float,
+                   float, uint16_t*) {
   __builtin_trap();
 }
 #endif

@@ -1,12 +1,22 @@
 // Symmetric bfloat16 products for Newton–Schulz, bit for bit torch's.
 //
 // torch 2.13 computes Muon's G = X Xᵀ and H = b G + c G G with oneDNN's
-// bfloat16 matmul. On CPUs with AVX-512 bfloat16 dot products that matmul
-// gives every element one float32 sum of k in order, two k at a time
-// (vdpbf16ps), in blocks: k itself up to 512, else blocks of 512 up to 1024,
-// else blocks of 1024; each block is summed from zero and added to the
-// running total. The result is rounded to bfloat16 (to nearest even), after
-// the post-op fma(c, beta, alpha * sum) when there is a c.
+// bfloat16 matmul, which on an AVX-512 CPU is one of two GEMMs:
+// - dot (AVX-512 bfloat16 dot products, vdpbf16ps): every element is one
+//   float32 sum of k in order, two k at a time, in blocks: k itself up to
+//   512, else blocks of 512 up to 1024, else blocks of 1024; each block is
+//   summed from zero and added to the running total. The result is rounded to
+//   bfloat16 (to nearest even), after the post-op fma(c, beta, alpha * sum)
+//   when there is a c.
+// - emulated (AVX-512 without them: Intel Skylake-SP to Ice Lake): oneDNN's
+//   gemm:jit:bf16, which does each dot product as two float32 FMAs, the odd
+//   k of a pair before the even one. Its k blocks: k itself up to 384, else
+//   two halves up to 1536, else blocks of 768.
+//   Each block is summed from zero; the first block's sum s gives
+//   total = alpha * s, every later block's adds as fma(s, alpha, total), and
+//   the result is fma(c, beta, total) when there is a c. Found by comparing
+//   with torch on an Ice Lake CPU, every element of many shapes, at 1 and 2
+//   threads.
 //
 // These kernels compute the same sums in the same order, but only for the
 // 32-column blocks of the upper triangle (and the diagonal blocks whole):
@@ -21,24 +31,47 @@ namespace hp::optim::gram {
 // Columns per block of the product.
 constexpr int64_t kBlock = 32;
 
-// Whether the kernels run: simd::isa() is AVX-512 and this CPU has bfloat16
-// dot products (simd::avx512_bf16()); and whether a product over k (the
-// inner dimension) fits them: k even.
-bool available();
-inline bool fits(int64_t k) { return k % 2 == 0 && k > 0; }
+// Which GEMM's sums the kernels reproduce here (above): none where
+// simd::isa() is below AVX-512 (torch's GEMM is another there).
+enum class Kind { none, dot, emulated };
+Kind kind();
+
+// Whether the kernels run here.
+inline bool available() { return kind() != Kind::none; }
+
+// Whether torch's (rows x k) (k x cols) product, on `threads` threads, is
+// the GEMM whose sums the kernels reproduce:
+// - ATen hands oneDNN only products of more than 4096 multiply-adds, and
+//   neither a single row nor a single column;
+// - k even, whole pairs in every block (emulated: not the halves of an odd
+//   number of pairs, 384 < k < 1536 with k / 2 odd, whose second half pairs
+//   its k from its own start);
+// - emulated: oneDNN's matmul splits the outputs evenly over the threads
+//   (balance211), and a share that does not start and end on a row, or holds
+//   a single row, goes to its gemv kernel, which sums in another order.
+bool fits(int64_t rows, int64_t cols, int64_t k, int threads);
 
 // uint32 words a packed y of m rows and k columns takes.
-inline int64_t packed_words(int64_t m, int64_t k) { return (m + kBlock - 1) / kBlock * kBlock * (k / 2); }
+int64_t packed_words(int64_t m, int64_t k);
 
-// Packs y (m x k bfloat16, row-major, k even) into column blocks: block j
-// holds, for each pair of k, the 32 rows' pairs side by side (zeros past m).
+// Packs y (m x k bfloat16, row-major, k even) into column blocks of 32 rows:
+// for each pair of k, the 32 rows' pairs side by side (dot: as bfloat16
+// pairs; emulated: the odd k's 32 floats, then the even k's); zeros past m.
 void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed);
 
 // For column block `block` (columns [32 block, 32 block + 32) ∩ [0, m)):
 // out[i, j] = y[i] · y[j] for the rows i < the block's end, rounded to
 // bfloat16; when c is not null, fma(c[i, j], beta, alpha * y[i] · y[j]) then
-// rounded. out and c are m x m row-major; `packed` is pack(y)'s.
+// rounded (emulated: the post-op as above). out and c are m x m row-major;
+// `packed` is pack(y)'s.
 void upper_block(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k, int64_t block, const uint16_t* c,
                  float beta, float alpha, uint16_t* out);
+
+// The emulated kind's general product, for Newton–Schulz's H X: for column
+// block `block` (columns [32 block, 32 block + 32) ∩ [0, n)), every row of
+// out = a b (m x n) with the post-op as above; `a` is pack()'s of a (m x k),
+// `bt` pack()'s of bᵀ (n x k). out and c are m x n row-major.
+void product_block(const uint32_t* a, const uint32_t* bt, int64_t m, int64_t n, int64_t k, int64_t block,
+                   const uint16_t* c, float beta, float alpha, uint16_t* out);
 
 }  // namespace hp::optim::gram

@@ -114,8 +114,29 @@ void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c
   }
 }
 
-// Without the gram kernels (no AVX-512 bfloat16 dot products, or an odd inner
-// size) on an AVX-512 CPU: torch.optim.Muon's own calls on one matrix, the
+// out = fma(x, a, h x) for h (m x m, symmetric) and x (m x n), as torch's
+// addmm(x, h, x, beta=a) sums it on the emulated kind (gram.h): the kernels
+// over out's 32-column blocks, on every thread. `packed_h`, `packed_xt` and
+// `xt` (n x m) are the operands' scratch.
+void product_hx(at::Tensor& out, const at::Tensor& h, const at::Tensor& x, double a, at::Tensor& packed_h,
+                at::Tensor& packed_xt, at::Tensor& xt) {
+  const int64_t m = x.size(0), n = x.size(1);
+  if (packed_h.numel() < gram::packed_words(m, m)) packed_h = at::empty({gram::packed_words(m, m)}, at::kInt);
+  if (packed_xt.numel() < gram::packed_words(n, m)) packed_xt = at::empty({gram::packed_words(n, m)}, at::kInt);
+  auto words = [](at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.mutable_data_ptr()); };
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); };
+  gram::pack(bits(h), m, m, words(packed_h));
+  transpose_copy(x, xt);
+  gram::pack(bits(xt), n, m, words(packed_xt));
+  auto* result = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  at::parallel_for(0, (n + gram::kBlock - 1) / gram::kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      gram::product_block(words(packed_h), words(packed_xt), m, n, m, block, bits(x), float(a), 1.0f, result);
+  });
+}
+
+// Without the gram kernels (an inner size they do not fit) on an AVX-512
+// CPU: torch.optim.Muon's own calls on one matrix, the
 // same operands in the same layouts (a tall matrix's transposed view in the
 // first round included). There oneDNN's sums depend on the operands' shapes
 // and layouts (a row panel, GᵀG for GG or a transposed copy each move some
@@ -283,7 +304,9 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
   // matrix is the smaller one.
   const bool tall = batch.size(1) > batch.size(2);
   const int64_t m = std::min(batch.size(1), batch.size(2)), n = std::max(batch.size(1), batch.size(2));
-  if (!gram::available() || !gram::fits(n)) {
+  // X Xᵀ sums over n, b G + c G G over m.
+  const int threads = at::get_num_threads();
+  if (!gram::available() || !gram::fits(m, m, n, threads) || !gram::fits(m, m, m, threads)) {
     // One matrix after another, each GEMM on every thread, as torch runs them
     // (a oneDNN GEMM's sums may depend on how its threads split the work).
     const bool reference = reference_gemm::available();
@@ -298,6 +321,10 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
   at::Tensor x_buffer = at::empty({group, m, n}, options_bf16), next_buffer = at::empty_like(x_buffer);
   at::Tensor gram_buffer = at::empty({group, m, m}, options_bf16), update_buffer = at::empty_like(gram_buffer);
   at::Tensor scratch = at::empty({0}, at::kInt);
+  // H X on the emulated kind's kernels where they give torch's bits (else
+  // torch's call); with bfloat16 dot products it stays one batched call.
+  const bool own_product = gram::kind() == gram::Kind::emulated && gram::fits(m, n, m, threads);
+  at::Tensor scratch_bt = at::empty({0}, at::kInt), xt = own_product ? at::empty({n, m}, options_bf16) : at::Tensor();
   for (int64_t first = 0; first < count; first += group) {
     const int64_t size = std::min(group, count - first);
     at::Tensor x = x_buffer.narrow(0, 0, size), next = next_buffer.narrow(0, 0, size);
@@ -320,7 +347,22 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
     for (int64_t step = 0; step < options.steps; ++step) {
       symmetric_product(gram, x, at::Tensor(), 0.0, 1.0, scratch);
       symmetric_product(update, gram, gram, options.b, options.c, scratch);  // b G + c G Gᵀ, and G Gᵀ = G G
-      at::baddbmm_out(next, x, update, x, options.a, 1.0);
+      if (own_product) {
+        for (int64_t i = 0; i < size; ++i) {
+          at::Tensor out = next[i];
+          product_hx(out, update[i], x[i], options.a, scratch, scratch_bt, xt);
+        }
+      } else if (gram::kind() == gram::Kind::emulated) {
+        // torch's own call per matrix: a batched one splits its outputs over
+        // the threads across matrices, and a share cut inside a row goes to
+        // that GEMM's gemv kernel (see gram::fits).
+        for (int64_t i = 0; i < size; ++i) {
+          at::Tensor out = next[i];
+          at::addmm_out(out, x[i], update[i], x[i], options.a, 1.0);
+        }
+      } else {
+        at::baddbmm_out(next, x, update, x, options.a, 1.0);
+      }
       std::swap(x, next);
     }
     if (tall)

@@ -159,17 +159,20 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
 
 
 # Each symmetric product's inner size k in every one of oneDNN's summation
-# regimes (k <= 512: one block; 512 < k <= 1024: blocks of 512; more: 1024),
-# partial column blocks and row tiles, and odd k (torch's own calls). Without
-# AVX-512 (reference_gemm.h): k below 16, below 64 and exactly 64, whole and
-# partial chunks of 16 past the 64s, rows past the kernels' blocks of 3 and 4,
-# tall matrices (their first round has an order of its own).
-@pytest.mark.parametrize(
-    "shape",
-    [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301), (1, 400, 520),
-     (1, 530, 520), (1, 100, 1100), (1, 1100, 100), (2, 5, 13), (2, 7, 50), (2, 10, 64), (2, 70, 11),
-     (1, 131, 37)],
-)
+# regimes (gram.h; with bfloat16 dot products k <= 512: one block,
+# 512 < k <= 1024: blocks of 512, more: 1024; emulated: k <= 384 one block,
+# then two halves, from 1536 blocks of 768, and halves of an odd number of
+# pairs left to torch: 530), partial column blocks and row tiles, odd k and
+# products of at most 4096 multiply-adds (torch's own calls). Without AVX-512
+# (reference_gemm.h): k below 16, below 64 and exactly 64, whole and partial
+# chunks of 16 past the 64s, rows past the kernels' blocks of 3 and 4, tall
+# matrices (their first round has an order of its own).
+NS_SHAPES = [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301),
+             (1, 400, 520), (1, 530, 520), (1, 100, 1100), (1, 1100, 100), (1, 64, 1600), (2, 5, 13), (2, 7, 50),
+             (2, 10, 64), (2, 70, 11), (1, 131, 37)]
+
+
+@pytest.mark.parametrize("shape", NS_SHAPES)
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     generator = torch.Generator().manual_seed(4)
     batch = torch.randn(shape, generator=generator)
@@ -177,6 +180,18 @@ def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     _C.newton_schulz_(ours, _C.NsOptions(a=NS[0], b=NS[1], c=NS[2], steps=5, eps=1e-7))
     for matrix, result in zip(batch, ours):
         assert torch.equal(result, _zeropower_via_newtonschulz(matrix, NS, 5, 1e-7))
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 40), (2, 10, 64), (1, 64, 1600)])
+def test_batched_newton_schulz_is_torch_bit_for_bit_on_three_threads(shape):
+    """torch's GEMM spreads a product's outputs over its threads; with three, some shares cut rows
+    (m = 10: 100 outputs), which oneDNN's emulated bfloat16 GEMM sums in another order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        test_batched_newton_schulz_is_torch_bit_for_bit(shape)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_newton_schulz_without_bfloat16_dot_products_is_torch_bit_for_bit():
