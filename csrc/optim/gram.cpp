@@ -243,7 +243,10 @@ void block_emulated(const float* a, const float* b, int64_t rows, int64_t ld, in
     const float* block = a + r0 * k;
     const int64_t end = std::min(r0 + kBlock, rows);
     int64_t i = r0;
+    // 32 rows as 12 + 12 + 8: every row in a tile that reuses each load of b
+    // for 8 or more rows.
     for (; i + 12 <= end; i += 12) rows_emulated<12>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
+    for (; i + 8 <= end; i += 8) rows_emulated<8>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
     for (; i + 4 <= end; i += 4) rows_emulated<4>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
     for (; i < end; ++i) rows_emulated<1>(block + (i - r0), b, ld, k, i, j0, cols, c, beta, alpha, out);
   }
