@@ -187,12 +187,12 @@ HP_GRAM_EMULATED_TARGET void tile_emulated(const float* a, const float* b, int64
         sum[r][1] = _mm512_fmadd_ps(even, even1, sum[r][1]);
       }
     }
+    const bool add_c = c && q1 == pairs;  // after the last block
     for (int r = 0; r < MR; ++r)
       for (int h = 0; h < 2; ++h) {
         float* dst = acc + r * kBlock + h * 16;
         const __m512 total = q0 == 0 ? _mm512_mul_ps(sum[r][h], va) : _mm512_fmadd_ps(sum[r][h], va, _mm512_loadu_ps(dst));
-        const bool last = q1 == pairs;
-        _mm512_storeu_ps(dst, last && c ? _mm512_fmadd_ps(_mm512_loadu_ps(c + r * kBlock + h * 16), vb, total) : total);
+        _mm512_storeu_ps(dst, add_c ? _mm512_fmadd_ps(_mm512_loadu_ps(c + r * kBlock + h * 16), vb, total) : total);
       }
     q0 = q1;
   }

@@ -123,15 +123,17 @@ void product_hx(at::Tensor& out, const at::Tensor& h, const at::Tensor& x, doubl
   const int64_t m = x.size(0), n = x.size(1);
   if (packed_h.numel() < gram::packed_words(m, m)) packed_h = at::empty({gram::packed_words(m, m)}, at::kInt);
   if (packed_xt.numel() < gram::packed_words(n, m)) packed_xt = at::empty({gram::packed_words(n, m)}, at::kInt);
-  auto words = [](at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.mutable_data_ptr()); };
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); };
-  gram::pack(bits(h), m, m, words(packed_h));
+  auto* rows = reinterpret_cast<uint32_t*>(packed_h.mutable_data_ptr());
+  auto* columns = reinterpret_cast<uint32_t*>(packed_xt.mutable_data_ptr());
+  gram::pack(bits(h), m, m, rows);
   transpose_copy(x, xt);
-  gram::pack(bits(xt), n, m, words(packed_xt));
+  gram::pack(bits(xt), n, m, columns);
+  const uint16_t* addend = bits(x);
   auto* result = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
   at::parallel_for(0, (n + gram::kBlock - 1) / gram::kBlock, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
-      gram::product_block(words(packed_h), words(packed_xt), m, n, m, block, bits(x), float(a), 1.0f, result);
+      gram::product_block(rows, columns, m, n, m, block, addend, float(a), 1.0f, result);
   });
 }
 
