@@ -54,23 +54,32 @@ bool fits(int64_t rows, int64_t cols, int64_t k, int threads);
 // uint32 words a packed y of m rows and k columns takes.
 int64_t packed_words(int64_t m, int64_t k);
 
-// Packs y (m x k bfloat16, row-major, k even) into column blocks of 32 rows:
-// for each pair of k, the 32 rows' pairs side by side (dot: as bfloat16
-// pairs; emulated: the odd k's 32 floats, then the even k's); zeros past m.
+// The dot kind's packing of y (m x k bfloat16, row-major, k even): column
+// blocks of 32 rows, for each pair of k the 32 rows' bfloat16 pairs side by
+// side; zeros past m.
 void pack(const uint16_t* y, int64_t m, int64_t k, uint32_t* packed);
+
+// The emulated kind's packing of y = zᵀ (m x k), from z (k x m, row-major,
+// k even): column blocks of 32 rows, for each pair of k the 32 rows' odd k
+// as floats, then their even k; zeros past m. Each pair of y's k is two of
+// z's rows, so this converts row segments instead of transposing, and a
+// symmetric y is its own z.
+void pack_transposed(const uint16_t* z, int64_t k, int64_t m, uint32_t* packed);
 
 // For column block `block` (columns [32 block, 32 block + 32) ∩ [0, m)):
 // out[i, j] = y[i] · y[j] for the rows i < the block's end, rounded to
 // bfloat16; when c is not null, fma(c[i, j], beta, alpha * y[i] · y[j]) then
 // rounded (emulated: the post-op as above). out and c are m x m row-major;
-// `packed` is pack(y)'s.
+// `packed` is y's packing (pack(y), or pack_transposed(yᵀ) on the emulated
+// kind).
 void upper_block(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k, int64_t block, const uint16_t* c,
                  float beta, float alpha, uint16_t* out);
 
 // The emulated kind's general product, for Newton–Schulz's H X: for column
 // block `block` (columns [32 block, 32 block + 32) ∩ [0, n)), every row of
-// out = a b (m x n) with the post-op as above; `a` is pack()'s of a (m x k),
-// `bt` pack()'s of bᵀ (n x k). out and c are m x n row-major.
+// out = a b (m x n) with the post-op as above; `a` is the packing of a
+// (m x k), pack_transposed(aᵀ), and `bt` that of bᵀ (n x k),
+// pack_transposed(b). out and c are m x n row-major.
 void product_block(const uint32_t* a, const uint32_t* bt, int64_t m, int64_t n, int64_t k, int64_t block,
                    const uint16_t* c, float beta, float alpha, uint16_t* out);
 

@@ -89,20 +89,26 @@ void mirror_upper(at::Tensor& a) {
 // gram kernels, and then mirrored. Element (i, j) is the same dot product,
 // over the same k in the same order, as in oneDNN's AVX-512 bfloat16 GEMM
 // (see gram.h), so the result is bit for bit torch's. `scratch` holds the
-// kernels' packed operand (grown as needed).
-void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c, double beta, double alpha,
-                       at::Tensor& scratch) {
+// kernels' packed operand (grown as needed). On the emulated kind,
+// `transposed` is aᵀ, which its kernels pack from without a transpose (a
+// symmetric a is its own).
+void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& transposed, const at::Tensor& c,
+                       double beta, double alpha, at::Tensor& scratch) {
   const int64_t count = a.size(0), m = a.size(1), k = a.size(2);
   // The upper triangle's column blocks, block p paired with block
   // blocks - 1 - p so that each task has the same work.
   const int64_t blocks = (m + gram::kBlock - 1) / gram::kBlock;
   if (scratch.numel() < gram::packed_words(m, k)) scratch = at::empty({gram::packed_words(m, k)}, at::kInt);
   auto* packed = reinterpret_cast<uint32_t*>(scratch.mutable_data_ptr());
+  const bool emulated = gram::kind() == gram::Kind::emulated;
   for (int64_t i = 0; i < count; ++i) {
     const auto* y = reinterpret_cast<const uint16_t*>(a[i].const_data_ptr());
     const auto* addend = c.defined() ? reinterpret_cast<const uint16_t*>(c[i].const_data_ptr()) : nullptr;
     auto* result = reinterpret_cast<uint16_t*>(out[i].mutable_data_ptr());
-    gram::pack(y, m, k, packed);
+    if (emulated)
+      gram::pack_transposed(reinterpret_cast<const uint16_t*>(transposed[i].const_data_ptr()), k, m, packed);
+    else
+      gram::pack(y, m, k, packed);
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         gram::upper_block(y, packed, m, k, p, addend, float(beta), float(alpha), result);
@@ -116,19 +122,19 @@ void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& c
 
 // out = fma(x, a, h x) for h (m x m, symmetric) and x (m x n), as torch's
 // addmm(x, h, x, beta=a) sums it on the emulated kind (gram.h): the kernels
-// over out's 32-column blocks, on every thread. `packed_h`, `packed_xt` and
-// `xt` (n x m) are the operands' scratch.
+// over out's 32-column blocks, on every thread. Both operands pack without
+// a transpose: h is its own, and the columns of x are its rows' segments.
+// `packed_h` and `packed_xt` are their scratch.
 void product_hx(at::Tensor& out, const at::Tensor& h, const at::Tensor& x, double a, at::Tensor& packed_h,
-                at::Tensor& packed_xt, at::Tensor& xt) {
+                at::Tensor& packed_xt) {
   const int64_t m = x.size(0), n = x.size(1);
   if (packed_h.numel() < gram::packed_words(m, m)) packed_h = at::empty({gram::packed_words(m, m)}, at::kInt);
   if (packed_xt.numel() < gram::packed_words(n, m)) packed_xt = at::empty({gram::packed_words(n, m)}, at::kInt);
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); };
   auto* rows = reinterpret_cast<uint32_t*>(packed_h.mutable_data_ptr());
   auto* columns = reinterpret_cast<uint32_t*>(packed_xt.mutable_data_ptr());
-  gram::pack(bits(h), m, m, rows);
-  transpose_copy(x, xt);
-  gram::pack(bits(xt), n, m, columns);
+  gram::pack_transposed(bits(h), m, m, rows);
+  gram::pack_transposed(bits(x), m, n, columns);
   const uint16_t* addend = bits(x);
   auto* result = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
   at::parallel_for(0, (n + gram::kBlock - 1) / gram::kBlock, 1, [&](int64_t begin, int64_t end) {
@@ -317,20 +323,25 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
     ns_matrices.fetch_add(count, std::memory_order_relaxed);
     return;
   }
-  const int64_t matrix_bytes = 2 * (2 * m * n + 2 * m * m);  // bfloat16 x, next, gram, update
+  // The emulated kind packs X from its transpose (symmetric_product).
+  const bool emulated = gram::kind() == gram::Kind::emulated;
+  // bfloat16 x, next, gram, update (and xᵀ)
+  const int64_t matrix_bytes = 2 * ((emulated ? 3 : 2) * m * n + 2 * m * m);
   const int64_t group = std::clamp<int64_t>(kGroupBytes / matrix_bytes, 1, count);
   auto options_bf16 = batch.options();
   at::Tensor x_buffer = at::empty({group, m, n}, options_bf16), next_buffer = at::empty_like(x_buffer);
   at::Tensor gram_buffer = at::empty({group, m, m}, options_bf16), update_buffer = at::empty_like(gram_buffer);
+  at::Tensor xt_buffer = emulated ? at::empty({group, n, m}, options_bf16) : at::Tensor();
   at::Tensor scratch = at::empty({0}, at::kInt);
   // H X on the emulated kind's kernels where they give torch's bits (else
   // torch's call); with bfloat16 dot products it stays one batched call.
-  const bool own_product = gram::kind() == gram::Kind::emulated && gram::fits(m, n, m, threads);
-  at::Tensor scratch_bt = at::empty({0}, at::kInt), xt = own_product ? at::empty({n, m}, options_bf16) : at::Tensor();
+  const bool own_product = emulated && gram::fits(m, n, m, threads);
+  at::Tensor scratch_bt = at::empty({0}, at::kInt);
   for (int64_t first = 0; first < count; first += group) {
     const int64_t size = std::min(group, count - first);
     at::Tensor x = x_buffer.narrow(0, 0, size), next = next_buffer.narrow(0, 0, size);
     at::Tensor gram = gram_buffer.narrow(0, 0, size), update = update_buffer.narrow(0, 0, size);
+    at::Tensor xt = emulated ? xt_buffer.narrow(0, 0, size) : at::Tensor();
     for (int64_t i = 0; i < size; ++i) {
       // One norm per matrix, the very reduction torch runs, so that a
       // different summation order cannot move the scale by a bfloat16 ulp.
@@ -347,14 +358,16 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
       }
     }
     for (int64_t step = 0; step < options.steps; ++step) {
-      symmetric_product(gram, x, at::Tensor(), 0.0, 1.0, scratch);
-      symmetric_product(update, gram, gram, options.b, options.c, scratch);  // b G + c G Gᵀ, and G Gᵀ = G G
+      if (emulated)
+        for (int64_t i = 0; i < size; ++i) transpose_copy(x[i], xt[i]);
+      symmetric_product(gram, x, xt, at::Tensor(), 0.0, 1.0, scratch);
+      symmetric_product(update, gram, gram, gram, options.b, options.c, scratch);  // b G + c G Gᵀ, and G Gᵀ = G G
       if (own_product) {
         for (int64_t i = 0; i < size; ++i) {
           at::Tensor out = next[i];
-          product_hx(out, update[i], x[i], options.a, scratch, scratch_bt, xt);
+          product_hx(out, update[i], x[i], options.a, scratch, scratch_bt);
         }
-      } else if (gram::kind() == gram::Kind::emulated) {
+      } else if (emulated) {
         // torch's own call per matrix: a batched one splits its outputs over
         // the threads across matrices, and a share cut inside a row goes to
         // that GEMM's gemv kernel (see gram::fits).
