@@ -104,7 +104,7 @@ std::string segment_prefix() {
     uint64_t nonce = (uint64_t(device()) << 32) ^ device();
     char hex[17];
     snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(nonce));
-    return "/" + user_prefix() + std::to_string(getpid()) + "-" + hex;
+    return std::string("/") + user_prefix() + std::to_string(getpid()) + "-" + hex;
   }();
   return prefix;
 }
