@@ -5,8 +5,9 @@
 // core (two 512-bit FMA pipes) that is half the core: MKL reaches ~110 GF/s
 // where this kernel reaches ~230 (bench/nn_modules.py, with and without
 // HP_SIMD=avx2). The fused modules spend nearly all of their time in these
-// products, so they run here; bfloat16 products stay with ATen (oneDNN's,
-// already AVX-512).
+// products, so they run here on such CPUs; on Intel's, MKL's AVX-512 sgemm
+// is the faster and the fused ops keep it (ops/matmul.cpp). bfloat16
+// products stay with ATen (oneDNN's, already AVX-512).
 //
 // The usual blocked scheme (Goto/BLIS): B is packed in panels of 32 columns
 // per block of k, A in panels of 12 rows, and a 12 x 32 register tile of
@@ -21,7 +22,7 @@
 namespace hp::ops::gemm {
 
 // Whether sgemm runs here: simd::isa() is AVX-512 (HP_SIMD caps it, so
-// HP_SIMD=avx2 sends the fused modules back to ATen's products).
+// HP_SIMD=avx2 sends the fused modules back to ATen's products everywhere).
 bool available();
 
 // c (m x n, row stride ldc) = op(a) op(b), or c += op(a) op(b) when

@@ -1,5 +1,5 @@
 // The fused ops' matrix products (common.h): gemm.h's float32 kernel where it
-// runs, ATen's mm/addmm otherwise.
+// runs and MKL would not run AVX-512 code, ATen's mm/addmm otherwise.
 #include <ATen/Parallel.h>
 
 #include <optional>
@@ -7,9 +7,20 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "simd/isa.h"
 
 namespace hp::ops::detail {
 namespace {
+
+// On Intel's CPUs ATen's float32 mm is MKL's AVX-512 sgemm, which beats the
+// kernel there: on an Ice Lake core MKL ran the fused modules' products at
+// 127-152 GF/s against the kernel's 109-122, and bench/nn_modules.py's whole
+// model went from 1.20x HF's to 1.42x with MKL's. The kernel is for the CPUs
+// on which MKL takes its AVX2 path (gemm.h).
+bool own_kernel() {
+  static const bool yes = ops::gemm::available() && !simd::cpu_intel();
+  return yes;
+}
 
 // Output columns or rows per thread come in multiples of this (the kernel's
 // tile width), and a thread gets at least kMinWork multiply-adds: below
@@ -80,7 +91,7 @@ inline at::Tensor float_matrix(const float* p, int64_t rows, int64_t cols, int64
 
 void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
   const bool floats = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
-  const auto c = floats && ops::gemm::available() ? layout(out) : std::nullopt;
+  const auto c = floats && own_kernel() ? layout(out) : std::nullopt;
   if (c && !c->trans) {
     const auto [a_in, la] = readable(a);
     const auto [b_in, lb] = readable(b);
@@ -101,7 +112,7 @@ at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  if (ops::gemm::available()) {
+  if (own_kernel()) {
     run(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, accumulate);
     return;
   }

@@ -65,6 +65,15 @@ bool cpu_avx_ne_convert() {
 #endif
 }
 
+bool cpu_intel() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;  // CPUID leaf 0: the vendor in EBX, EDX, ECX
+  return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756E6547u && d == 0x49656E69u && c == 0x6C65746Eu;
+#else
+  return false;
+#endif
+}
+
 const char* name(Isa isa) {
   switch (isa) {
     case Isa::avx512:

@@ -41,6 +41,11 @@ Isa cpu_isa();
 // kernels must then stand aside).
 bool cpu_avx_ne_convert();
 
+// Whether this CPU is Intel's (CPUID vendor "GenuineIntel"). No kernel uses
+// it; MKL, torch's float32 GEMM on x86, runs its AVX-512 code only there
+// (ops' own GEMM stands aside).
+bool cpu_intel();
+
 // The policy itself: `best` capped by `cap` (null or empty: no cap). Throws
 // as isa() does for an unknown cap.
 Isa capped(Isa best, const char* cap);
