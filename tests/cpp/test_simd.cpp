@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -70,6 +71,15 @@ TEST(Simd, HpSimdCapsTheCpusTier) {
   // This process: whatever HP_SIMD ctest was run under.
   EXPECT_EQ(isa(), capped(cpu_isa(), std::getenv("HP_SIMD")));
   EXPECT_STREQ(name(Isa::avx2), "avx2");
+}
+
+TEST(Simd, CpuIntelAgreesWithProcCpuinfo) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, vendor;
+  while (vendor.empty() && std::getline(cpuinfo, line))
+    if (line.rfind("vendor_id", 0) == 0) vendor = line.substr(line.find(':') + 2);
+  if (vendor.empty()) GTEST_SKIP() << "no vendor_id in /proc/cpuinfo (not Linux on x86)";
+  EXPECT_EQ(cpu_intel(), vendor == "GenuineIntel") << vendor;
 }
 
 TEST(Simd, ScalarBFloat16RoundsToNearestEvenAsC10) {
