@@ -129,23 +129,6 @@ HP_GRAM_TARGET void store(const float* acc, int rows, int64_t m, int64_t i, int6
 // ---------------------------------------------------------------------------
 // Emulated (gemm:jit:bf16's sums, see gram.h).
 
-HP_GRAM_EMULATED_TARGET void pack_rows_emulated(const uint16_t* z, int64_t k, int64_t m, float* packed) {
-  for (int64_t j0 = 0; j0 < m; j0 += kBlock) {
-    float* block = packed + j0 * k;
-    const int64_t cols = std::min(kBlock, m - j0);
-    const __mmask16 low = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1);
-    const __mmask16 high = static_cast<__mmask16>((1u << std::clamp<int64_t>(cols - 16, 0, 16)) - 1);
-    for (int64_t q = 0; q < k / 2; ++q)
-      for (int e = 0; e < 2; ++e) {  // the odd k's row first, then the even k's
-        const uint16_t* row = z + (2 * q + 1 - e) * m + j0;
-        float* dst = block + (2 * q + e) * kBlock;
-        const __m256i lo = _mm256_maskz_loadu_epi16(low, row), hi = _mm256_maskz_loadu_epi16(high, row + 16);
-        _mm512_storeu_si512(dst, _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16));
-        _mm512_storeu_si512(dst + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-      }
-  }
-}
-
 // The end of the k block (in pairs) that starts at pair q0.
 int64_t emulated_block_end(int64_t k, int64_t q0) {
   const int64_t pairs = k / 2;
@@ -304,8 +287,22 @@ void upper_block(const uint16_t* y, const uint32_t* packed, int64_t m, int64_t k
   }
 }
 
-void pack_transposed(const uint16_t* z, int64_t k, int64_t m, uint32_t* packed) {
-  pack_rows_emulated(z, k, m, reinterpret_cast<float*>(packed));
+HP_GRAM_EMULATED_TARGET void pack_transposed(const uint16_t* z, int64_t k, int64_t m, uint32_t* out) {
+  auto* packed = reinterpret_cast<float*>(out);
+  for (int64_t j0 = 0; j0 < m; j0 += kBlock) {
+    float* block = packed + j0 * k;
+    const int64_t cols = std::min(kBlock, m - j0);
+    const __mmask16 low = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1);
+    const __mmask16 high = static_cast<__mmask16>((1u << std::clamp<int64_t>(cols - 16, 0, 16)) - 1);
+    for (int64_t q = 0; q < k / 2; ++q)
+      for (int e = 0; e < 2; ++e) {  // the odd k's row first, then the even k's
+        const uint16_t* row = z + (2 * q + 1 - e) * m + j0;
+        float* dst = block + (2 * q + e) * kBlock;
+        const __m256i lo = _mm256_maskz_loadu_epi16(low, row), hi = _mm256_maskz_loadu_epi16(high, row + 16);
+        _mm512_storeu_si512(dst, _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16));
+        _mm512_storeu_si512(dst + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+      }
+  }
 }
 
 void product_block(const uint32_t* a, const uint32_t* bt, int64_t m, int64_t n, int64_t k, int64_t block,
