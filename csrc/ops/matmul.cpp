@@ -13,10 +13,8 @@ namespace hp::ops::detail {
 namespace {
 
 // On Intel's CPUs ATen's float32 mm is MKL's AVX-512 sgemm, which beats the
-// kernel there: on an Ice Lake core MKL ran the fused modules' products at
-// 127-152 GF/s against the kernel's 109-122, and bench/nn_modules.py's whole
-// model went from 1.20x HF's to 1.42x with MKL's. The kernel is for the CPUs
-// on which MKL takes its AVX2 path (gemm.h).
+// kernel there (docs/nn.md has the figures); the kernel is for the CPUs on
+// which MKL takes its AVX2 path (gemm.h).
 bool own_kernel() {
   static const bool yes = ops::gemm::available() && !simd::cpu_intel();
   return yes;

@@ -146,31 +146,35 @@ int64_t emulated_block_end(int64_t k, int64_t q0) {
 // time with the chunks.
 constexpr int64_t kChunkPairs = 64;
 
-// How a chunk of pairs stands in its k block: the sums start from zero
-// (`fresh`) or go on from the last chunk's; they end the k block as its
-// first (`ends_first`), as a later one (`ends_later`), or not.
+// Pairs [from, to) of a k block, and how they stand in it: the sums start
+// from zero (`fresh`) or go on from the last chunk's; the chunk closes the
+// k block as its first (`first_block`), as a later one (`later_block`), or
+// not (`open`).
 struct Chunk {
-  int64_t q0, q1;
+  int64_t from, to;
   bool fresh;
-  enum { open, ends_first, ends_later } end;
+  enum { open, first_block, later_block } closes;
 };
 
-// sums (MR x 32 floats) += rows [r, r + MR) of a 32-row block (`a`: the
-// block's packed floats from row r on) · the packed column block `b`, over
-// the chunk's pairs, each pair's odd k before its even one; when the chunk
-// ends a k block, totals = alpha * sum (the first) or fma(sum, alpha, totals).
-// A sum carried between chunks goes through memory: float stores are exact,
-// so the chunks change no bit.
+// For rows [i, i + MR) of a 32-row block (`a`: the block's packed floats),
+// the sums (MR x 32 floats at row i of `sums`) over the chunk's pairs of
+// those rows · the packed column block `b`, each pair's odd k before its
+// even one; when the chunk closes a k block, totals = alpha * sum (the
+// first) or fma(sum, alpha, totals). A sum carried between chunks goes
+// through memory: float stores are exact, so the chunks change no bit.
 template <int MR>
-HP_GRAM_EMULATED_TARGET void chunk_emulated(const float* a, const float* b, const Chunk& chunk, float alpha,
-                                            float* sums, float* totals) {
+HP_GRAM_EMULATED_TARGET void chunk_emulated(const float* a, int64_t i, const float* b, const Chunk& chunk,
+                                            float alpha, float* sums, float* totals) {
+  a += i;
+  sums += i * kBlock;
+  totals += i * kBlock;
   __m512 sum[MR][2];
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2; ++h) sum[r][h] = _mm512_setzero_ps();
   if (!chunk.fresh)
     for (int r = 0; r < MR; ++r)
       for (int h = 0; h < 2; ++h) sum[r][h] = _mm512_loadu_ps(sums + r * kBlock + h * 16);
-  for (int64_t q = chunk.q0; q < chunk.q1; ++q) {
+  for (int64_t q = chunk.from; q < chunk.to; ++q) {
     const float* bq = b + q * 2 * kBlock;
     const __m512 odd0 = _mm512_loadu_ps(bq), odd1 = _mm512_loadu_ps(bq + 16);
     const __m512 even0 = _mm512_loadu_ps(bq + kBlock), even1 = _mm512_loadu_ps(bq + kBlock + 16);
@@ -188,10 +192,10 @@ HP_GRAM_EMULATED_TARGET void chunk_emulated(const float* a, const float* b, cons
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2; ++h) {
       const int64_t at = r * kBlock + h * 16;
-      if (chunk.end == Chunk::open)
+      if (chunk.closes == Chunk::open)
         _mm512_storeu_ps(sums + at, sum[r][h]);
       else
-        _mm512_storeu_ps(totals + at, chunk.end == Chunk::ends_first
+        _mm512_storeu_ps(totals + at, chunk.closes == Chunk::first_block
                                           ? _mm512_mul_ps(sum[r][h], va)
                                           : _mm512_fmadd_ps(sum[r][h], va, _mm512_loadu_ps(totals + at)));
     }
@@ -237,14 +241,14 @@ void block_emulated(const float* a, const float* b, int64_t rows, int64_t ld, in
       const int64_t q1 = emulated_block_end(k, q0);
       for (int64_t s = q0; s < q1; s += kChunkPairs) {
         const int64_t e = std::min(s + kChunkPairs, q1);
-        const Chunk chunk{s, e, s == q0, e < q1 ? Chunk::open : q0 == 0 ? Chunk::ends_first : Chunk::ends_later};
+        const Chunk chunk{s, e, s == q0, e < q1 ? Chunk::open : q0 == 0 ? Chunk::first_block : Chunk::later_block};
         // 32 rows as 12 + 12 + 8: every row in a tile that reuses each load
         // of b for 8 or more rows.
         int64_t i = 0;
-        for (; i + 12 <= height; i += 12) chunk_emulated<12>(block + i, b, chunk, alpha, sums + i * kBlock, totals + i * kBlock);
-        for (; i + 8 <= height; i += 8) chunk_emulated<8>(block + i, b, chunk, alpha, sums + i * kBlock, totals + i * kBlock);
-        for (; i + 4 <= height; i += 4) chunk_emulated<4>(block + i, b, chunk, alpha, sums + i * kBlock, totals + i * kBlock);
-        for (; i < height; ++i) chunk_emulated<1>(block + i, b, chunk, alpha, sums + i * kBlock, totals + i * kBlock);
+        for (; i + 12 <= height; i += 12) chunk_emulated<12>(block, i, b, chunk, alpha, sums, totals);
+        for (; i + 8 <= height; i += 8) chunk_emulated<8>(block, i, b, chunk, alpha, sums, totals);
+        for (; i + 4 <= height; i += 4) chunk_emulated<4>(block, i, b, chunk, alpha, sums, totals);
+        for (; i < height; ++i) chunk_emulated<1>(block, i, b, chunk, alpha, sums, totals);
       }
       q0 = q1;
     }

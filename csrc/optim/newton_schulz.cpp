@@ -112,7 +112,8 @@ void symmetric_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& t
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         gram::upper_block(y, packed, m, k, p, addend, float(beta), float(alpha), result);
-        if (blocks - 1 - p != p) gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
+        if (blocks - 1 - p != p)
+          gram::upper_block(y, packed, m, k, blocks - 1 - p, addend, float(beta), float(alpha), result);
       }
     });
     at::Tensor matrix = out[i];

@@ -162,7 +162,8 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
 # regimes (gram.h; with bfloat16 dot products k <= 512: one block,
 # 512 < k <= 1024: blocks of 512, more: 1024; emulated: k <= 384 one block,
 # then two halves, from 1536 blocks of 768, and halves of an odd number of
-# pairs left to torch: 530), partial column blocks and row tiles, odd k and
+# pairs left to torch: 530), partial column blocks and row tiles (38: the
+# last row block's 6 rows as tiles of 4, 1 and 1), odd k and
 # products of at most 4096 multiply-adds (torch's own calls). Without AVX-512
 # (reference_gemm.h): k below 16, below 64 and exactly 64, whole and partial
 # chunks of 16 past the 64s, rows past the kernels' blocks of 3 and 4, tall
@@ -171,7 +172,7 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
     "shape",
     [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301), (1, 400, 520),
      (1, 530, 520), (1, 100, 1100), (1, 1100, 100), (1, 64, 1600), (2, 5, 13), (2, 7, 50), (2, 10, 64),
-     (2, 70, 11), (1, 131, 37)],
+     (2, 70, 11), (1, 131, 37), (2, 38, 300)],
 )
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     generator = torch.Generator().manual_seed(4)

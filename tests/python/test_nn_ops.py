@@ -173,7 +173,10 @@ def test_linear_with_a_frozen_weight_computes_no_weight_gradient():
 
 
 def test_products_do_not_depend_on_the_thread_count():
-    """Threads split the float32 products' output, never their sums: one thread and two agree bit for bit."""
+    """Threads split the float32 products' output, never their sums: one thread and two agree bit for bit.
+
+    On Intel CPUs the products are MKL's (ops/matmul.cpp), which promises no such thing: there this checks
+    that these shapes keep it so."""
     torch.manual_seed(9)
     linear = fused_copy(randomize(torch.nn.Linear(256, 512), seed=10))
     mlp = fused_copy(randomize(hf.Qwen3MoeMLP(config(hidden_size=256, intermediate_size=320)), seed=11))
