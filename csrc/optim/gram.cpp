@@ -106,6 +106,11 @@ HP_GRAM_TARGET void tile(const uint32_t* a, const uint32_t* b, int64_t pairs, in
   }
 }
 
+// The bfloat16 at p in the lanes of `mask` (zeros in the others), as floats.
+HP_GRAM_EMULATED_TARGET inline __m512 load_bf16(__mmask16 mask, const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
 // out rows [i, i + MR) of the block's columns from acc, with the post-op.
 HP_GRAM_TARGET void store(const float* acc, int rows, int64_t m, int64_t i, int64_t j0, int64_t cols,
                           const uint16_t* c, float beta, float alpha, uint16_t* out) {
@@ -117,11 +122,7 @@ HP_GRAM_TARGET void store(const float* acc, int rows, int64_t m, int64_t i, int6
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
       const int64_t at = (i + r) * m + j0 + 16 * h;
       __m512 v = _mm512_loadu_ps(acc + r * kBlock + h * 16);
-      if (c) {
-        const __m256i bits = _mm256_maskz_loadu_epi16(mask, c + at);
-        const __m512 cv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        v = _mm512_fmadd_ps(cv, vb, _mm512_mul_ps(v, va));
-      }
+      if (c) v = _mm512_fmadd_ps(load_bf16(mask, c + at), vb, _mm512_mul_ps(v, va));
       _mm256_mask_storeu_epi16(out + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
@@ -216,10 +217,7 @@ HP_GRAM_EMULATED_TARGET void store_emulated(const float* totals, int64_t rows, i
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
       const int64_t at = (i + r) * ld + j0 + 16 * h;
       __m512 v = _mm512_loadu_ps(totals + r * kBlock + h * 16);
-      if (c) {
-        const __m256i bits = _mm256_maskz_loadu_epi16(mask, c + at);
-        v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)), vb, v);
-      }
+      if (c) v = _mm512_fmadd_ps(load_bf16(mask, c + at), vb, v);
       const __m512i u = _mm512_castps_si512(v);
       const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
       __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
@@ -302,9 +300,8 @@ HP_GRAM_EMULATED_TARGET void pack_transposed(const uint16_t* z, int64_t k, int64
       for (int e = 0; e < 2; ++e) {  // the odd k's row first, then the even k's
         const uint16_t* row = z + (2 * q + 1 - e) * m + j0;
         float* dst = block + (2 * q + e) * kBlock;
-        const __m256i lo = _mm256_maskz_loadu_epi16(low, row), hi = _mm256_maskz_loadu_epi16(high, row + 16);
-        _mm512_storeu_si512(dst, _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16));
-        _mm512_storeu_si512(dst + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        _mm512_storeu_ps(dst, load_bf16(low, row));
+        _mm512_storeu_ps(dst + 16, load_bf16(high, row + 16));
       }
   }
 }
