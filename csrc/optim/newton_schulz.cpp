@@ -359,9 +359,12 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
       }
     }
     for (int64_t step = 0; step < options.steps; ++step) {
-      if (emulated)
+      // The first round of tall matrices finds Xᵀ in the batch, divided in
+      // place above.
+      const bool batch_is_xt = tall && step == 0;
+      if (emulated && !batch_is_xt)
         for (int64_t i = 0; i < size; ++i) transpose_copy(x[i], xt[i]);
-      symmetric_product(gram, x, xt, at::Tensor(), 0.0, 1.0, scratch);
+      symmetric_product(gram, x, batch_is_xt ? batch.narrow(0, first, size) : xt, at::Tensor(), 0.0, 1.0, scratch);
       symmetric_product(update, gram, gram, gram, options.b, options.c, scratch);  // b G + c G Gᵀ, and G Gᵀ = G G
       if (own_product) {
         for (int64_t i = 0; i < size; ++i) {
