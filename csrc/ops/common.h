@@ -31,7 +31,8 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
 
 // The fused ops' matrix products (matmul.cpp): float32 through gemm.h's
 // AVX-512 kernel where it runs and MKL would take its AVX2 path (threads
-// split the output), everything else through ATen's mm/addmm.
+// split the output), everything else through ATen's mm/addmm; bfloat16
+// through float32 on CPUs whose bfloat16 mm is emulated (simd::cpu_native_bf16).
 //
 // out (+)= a b, out a 2-D view (e.g. a slice of a larger tensor's rows or
 // columns); a and b any 2-D views of one dtype with out.

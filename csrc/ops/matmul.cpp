@@ -1,5 +1,6 @@
 // The fused ops' matrix products (common.h): gemm.h's float32 kernel where it
-// runs and MKL would not run AVX-512 code, ATen's mm/addmm otherwise.
+// runs and MKL would not run AVX-512 code, ATen's mm/addmm otherwise;
+// bfloat16 ones in float32 where the CPU has no bfloat16 dot products.
 #include <ATen/Parallel.h>
 
 #include <optional>
@@ -19,6 +20,26 @@ bool own_kernel() {
   static const bool yes = ops::gemm::available() && !simd::cpu_intel();
   return yes;
 }
+
+// torch's bfloat16 mm on x86 is oneDNN's. Without bfloat16 dot products
+// (simd::cpu_native_bf16) oneDNN emulates them with two float32 FMAs, about
+// 33 GF/s on an Ice Lake core against MKL's float32 127-152 (and on AVX2 CPUs
+// without AVX-NE-CONVERT ATen's own loops run them). There the products run
+// in float32 on widened copies: a product of two bfloat16 numbers is exact in
+// float32, so the result is a float32 sum of exact products rounded once, as
+// oneDNN's is, in the float32 GEMM's order.
+bool widen_bf16() {
+  static const bool yes = !simd::cpu_native_bf16();
+  return yes;
+}
+
+// Rows of a widened product's output per block: its float32 rows of a and
+// sums stay about this size, under glibc's 32 MiB ceiling for serving a freed
+// block again from memory it keeps (the logits' whole, 64 MiB, would be mapped
+// afresh and page-faulted on every call). Few blocks, as each one packs b
+// again: on the LM head's products (Ice Lake, one core) blocks of 24 MiB make
+// the widened products as fast as float32 ones, blocks of 4 MiB 10-30% slower.
+constexpr int64_t kWidenBlockBytes = int64_t(24) << 20;
 
 // Output columns or rows per thread come in multiples of this (the kernel's
 // tile width), and a thread gets at least kMinWork multiply-adds: below
@@ -85,9 +106,28 @@ inline at::Tensor float_matrix(const float* p, int64_t rows, int64_t cols, int64
   return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
+// out (bfloat16) (+)= a b for bfloat16 a and b, in float32 (widen_bf16),
+// a block of out's rows at a time.
+void mm_widened(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  const at::Tensor wide_b = b.to(at::kFloat);
+  const int64_t m = out.size(0), n = out.size(1);
+  const int64_t block = std::max<int64_t>(1, kWidenBlockBytes / (int64_t(sizeof(float)) * (a.size(1) + n)));
+  for (int64_t row = 0; row < m; row += block) {
+    at::Tensor rows = out.narrow(0, row, std::min(block, m - row));
+    at::Tensor sums = accumulate ? rows.to(at::kFloat) : at::empty(rows.sizes(), wide_b.options());
+    mm_into(sums, a.narrow(0, row, rows.size(0)).to(at::kFloat), wide_b, accumulate);
+    rows.copy_(sums);
+  }
+}
+
 }  // namespace
 
 void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (widen_bf16() && out.scalar_type() == at::kBFloat16 && a.scalar_type() == at::kBFloat16 &&
+      b.scalar_type() == at::kBFloat16) {
+    mm_widened(std::move(out), a, b, accumulate);
+    return;
+  }
   const bool floats = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
   const auto c = floats && own_kernel() ? layout(out) : std::nullopt;
   if (c && !c->trans) {

@@ -65,6 +65,15 @@ bool cpu_avx_ne_convert() {
 #endif
 }
 
+bool cpu_native_bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") || (__builtin_cpu_supports("avx2") && cpu_avx_ne_convert());
+#else
+  return true;  // nothing to widen around: the products are torch's
+#endif
+}
+
 bool cpu_intel() {
 #if defined(__x86_64__)
   unsigned a = 0, b = 0, c = 0, d = 0;  // CPUID leaf 0: the vendor in EBX, EDX, ECX

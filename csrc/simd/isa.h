@@ -41,6 +41,13 @@ Isa cpu_isa();
 // kernels must then stand aside).
 bool cpu_avx_ne_convert();
 
+// Whether this CPU has what oneDNN, torch's bfloat16 GEMM on x86, computes
+// bfloat16 products with natively: AVX-512 BF16 (every AMX CPU has it too), or
+// AVX-NE-CONVERT with AVX2. No kernel uses it; elsewhere oneDNN emulates them
+// (AVX-512 CPUs from Skylake-SP to Ice Lake) or ATen's own loops run them, at
+// a fraction of the float32 rate (ops' products widen to float32 there).
+bool cpu_native_bf16();
+
 // Whether this CPU is Intel's (CPUID vendor "GenuineIntel"). No kernel uses
 // it; MKL, torch's float32 GEMM on x86, runs its AVX-512 code only there
 // (ops' own GEMM stands aside).

@@ -146,20 +146,25 @@ def _fusable(op: str, *tensors: Tensor, same_dtype: bool = True) -> bool:
 
 
 class FusedLinear(torch.nn.Linear):
-    """``nn.Linear`` on the fused modules' float32 GEMM (``hyperparallel::linear``).
+    """``nn.Linear`` on the fused modules' matrix products (``hyperparallel::linear``).
 
-    torch's float32 matmul on the CPU is MKL's, which runs its AVX2 code on
-    CPUs it does not take for Intel's: half of an AMD Zen 5 core. The attention
-    projections and the LM head are almost half of qwen3-moe-bench's forward
-    arithmetic, so they run on the same AVX-512 kernel as the fused experts and attention.
-    Anything else (bfloat16, whose CPU matmul is already oneDNN's AVX-512 one;
-    a GPU; autocast, which casts the operands) is ``nn.Linear``'s own forward.
+    The attention projections and the LM head are almost half of
+    qwen3-moe-bench's forward arithmetic, so on the CPU they run where the
+    fused experts and attention do: float32 on hp's AVX-512 kernel where MKL
+    would take its AVX2 path (CPUs it does not take for Intel's: half of an
+    AMD Zen 5 core), and bfloat16 in float32 where the CPU has no bfloat16
+    dot products to run oneDNN's at full rate (Intel's AVX-512 CPUs up to
+    Ice Lake: docs/nn.md). Anything else (a GPU; autocast, which casts the
+    operands; other dtypes) is ``nn.Linear``'s own forward.
     """
 
     def forward(self, input: Tensor) -> Tensor:
         tensors = (input, self.weight) if self.bias is None else (input, self.weight, self.bias)
-        if not torch.is_autocast_enabled("cpu") and all(
-            t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+        if (
+            not torch.is_autocast_enabled("cpu")
+            and all(t.device.type == "cpu" for t in tensors)
+            and len({t.dtype for t in tensors}) == 1
+            and input.dtype in FUSED_DTYPES
         ):
             return _ops.linear(input, self.weight, self.bias)
         return super().forward(input)

@@ -82,6 +82,16 @@ TEST(Simd, CpuIntelAgreesWithProcCpuinfo) {
   EXPECT_EQ(cpu_intel(), vendor == "GenuineIntel") << vendor;
 }
 
+TEST(Simd, CpuNativeBf16AgreesWithProcCpuinfo) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, flags;
+  while (flags.empty() && std::getline(cpuinfo, line))
+    if (line.rfind("flags", 0) == 0) flags = line.substr(line.find(':') + 1) + " ";
+  if (flags.empty()) GTEST_SKIP() << "no flags in /proc/cpuinfo (not Linux on x86)";
+  const auto has = [&](const char* flag) { return flags.find(" " + std::string(flag) + " ") != std::string::npos; };
+  EXPECT_EQ(cpu_native_bf16(), has("avx512_bf16") || (has("avx2") && has("avx_ne_convert"))) << flags;
+}
+
 TEST(Simd, ScalarBFloat16RoundsToNearestEvenAsC10) {
   for (float value : patterns()) {
     uint32_t bits;

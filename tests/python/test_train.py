@@ -168,8 +168,8 @@ def test_dry_run_estimate_matches_peak_rss(full_run, tmp_path, capsys):
     summary = json.loads((tmp / "full" / "summary.json").read_text())
     _within(estimate(cfg, 2).total, summary["peak_rss_bytes_per_rank"])
     # 2. A 44M-parameter MoE in bf16 with activation checkpointing and accumulation:
-    #    parameters, gradients and Muon's state are most of the memory. Short sequences:
-    #    on a CPU without AVX-512 bf16 torch's bf16 forward and backward are ~35x fp32's.
+    #    parameters, gradients and Muon's state are most of the memory. Short sequences keep it
+    #    quick on every CPU.
     model = json.loads((REPO / "examples" / "tiny-moe.config.json").read_text())
     model.update(hidden_size=512, num_hidden_layers=6, num_experts=16, moe_intermediate_size=256,
                  num_attention_heads=8, head_dim=64, max_window_layers=6)
