@@ -104,7 +104,13 @@ std::string segment_prefix() {
     uint64_t nonce = (uint64_t(device()) << 32) ^ device();
     char hex[17];
     snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(nonce));
-    return std::string("/") + user_prefix() + std::to_string(getpid()) + "-" + hex;
+    // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on operator+ chains here.
+    std::string name = "/";
+    name += user_prefix();
+    name += std::to_string(getpid());
+    name += '-';
+    name += hex;
+    return name;
   }();
   return prefix;
 }
