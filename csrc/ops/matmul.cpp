@@ -23,8 +23,8 @@ bool own_kernel() {
 
 // torch's bfloat16 mm on x86 is oneDNN's. Without bfloat16 dot products
 // (simd::cpu_native_bf16) oneDNN emulates them with two float32 FMAs, about
-// 33 GF/s on an Ice Lake core against MKL's float32 127-152 (and on AVX2 CPUs
-// without AVX-NE-CONVERT ATen's own loops run them). There the products run
+// 33 GF/s on an Ice Lake core against MKL's float32 127-152 (and on most AVX2
+// CPUs ATen's own loops run them). There the products run
 // in float32 on widened copies: a product of two bfloat16 numbers is exact in
 // float32, so the result is a float32 sum of exact products rounded once, as
 // oneDNN's is, in the float32 GEMM's order.
@@ -33,13 +33,17 @@ bool widen_bf16() {
   return yes;
 }
 
-// Rows of a widened product's output per block: its float32 rows of a and
-// sums stay about this size, under glibc's 32 MiB ceiling for serving a freed
-// block again from memory it keeps (the logits' whole, 64 MiB, would be mapped
-// afresh and page-faulted on every call). Few blocks, as each one packs b
-// again: on the LM head's products (Ice Lake, one core) blocks of 24 MiB make
-// the widened products as fast as float32 ones, blocks of 4 MiB 10-30% slower.
+// A widened product runs in blocks: out's rows and columns up to
+// kWidenSide at a time, k in slices that keep each float32 block (of a, of b,
+// and the sums) within kWidenBlockBytes. That bounds the extra memory
+// whatever the shapes (a Qwen3 LM head's weight, 151936 x 2048, would take
+// 1.2 GB in float32) and keeps each block under glibc's 32 MiB ceiling for
+// serving freed memory again: a larger one is mapped afresh and page-faulted
+// on every call. Blocks are large because each GEMM call packs its operands again: on
+// the LM head's products (Ice Lake, one core) 24 MiB blocks make the widened
+// products as fast as float32 ones, 4 MiB blocks 10-30% slower.
 constexpr int64_t kWidenBlockBytes = int64_t(24) << 20;
+constexpr int64_t kWidenSide = 2048;
 
 // Output columns or rows per thread come in multiples of this (the kernel's
 // tile width), and a thread gets at least kMinWork multiply-adds: below
@@ -106,18 +110,26 @@ inline at::Tensor float_matrix(const float* p, int64_t rows, int64_t cols, int64
   return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// out (bfloat16) (+)= a b for bfloat16 a and b, in float32 (widen_bf16),
-// a block of out's rows at a time.
+// out (bfloat16) (+)= a b for bfloat16 a and b, in float32 (widen_bf16), in
+// blocks (kWidenBlockBytes); each of out's blocks is rounded once.
 void mm_widened(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
-  const at::Tensor wide_b = b.to(at::kFloat);
-  const int64_t m = out.size(0), n = out.size(1);
-  const int64_t block = std::max<int64_t>(1, kWidenBlockBytes / (int64_t(sizeof(float)) * (a.size(1) + n)));
-  for (int64_t row = 0; row < m; row += block) {
-    at::Tensor rows = out.narrow(0, row, std::min(block, m - row));
-    at::Tensor sums = accumulate ? rows.to(at::kFloat) : at::empty(rows.sizes(), wide_b.options());
-    mm_into(sums, a.narrow(0, row, rows.size(0)).to(at::kFloat), wide_b, accumulate);
-    rows.copy_(sums);
-  }
+  const int64_t m = out.size(0), n = out.size(1), k = a.size(1);
+  if (m == 0 || n == 0) return;
+  const int64_t rows = std::min(m, kWidenSide), cols = std::min(n, kWidenSide);
+  const int64_t depth = std::max<int64_t>(1, kWidenBlockBytes / int64_t(sizeof(float)) / std::max(rows, cols));
+  for (int64_t j = 0; j < n; j += cols)
+    for (int64_t i = 0; i < m; i += rows) {
+      at::Tensor part = out.narrow(0, i, std::min(rows, m - i)).narrow(1, j, std::min(cols, n - j));
+      const auto floats = part.options().dtype(at::kFloat);
+      at::Tensor sums = accumulate ? part.to(at::kFloat) : k == 0 ? at::zeros(part.sizes(), floats)
+                                                                   : at::empty(part.sizes(), floats);
+      for (int64_t p = 0; p < k; p += depth) {
+        const int64_t d = std::min(depth, k - p);
+        mm_into(sums, a.narrow(0, i, part.size(0)).narrow(1, p, d).to(at::kFloat),
+                b.narrow(0, p, d).narrow(1, j, part.size(1)).to(at::kFloat), accumulate || p > 0);
+      }
+      part.copy_(sums);
+    }
 }
 
 }  // namespace

@@ -14,7 +14,7 @@
 namespace hp::optim::reference_gemm {
 
 bool available() {
-  static const bool yes = simd::cpu_isa() == simd::Isa::avx2 && !simd::cpu_avx_ne_convert();
+  static const bool yes = simd::cpu_isa() == simd::Isa::avx2 && !simd::cpu_native_bf16();
   return yes && simd::isa() == simd::Isa::avx2;
 }
 

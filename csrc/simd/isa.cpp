@@ -56,19 +56,15 @@ bool avx512_bf16() {
 #endif
 }
 
-bool cpu_avx_ne_convert() {
-#if defined(__x86_64__)
-  unsigned a = 0, b = 0, c = 0, d = 0;  // CPUID leaf 7 subleaf 1: EDX bit 5
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (d & (1u << 5)) != 0;
-#else
-  return false;
-#endif
-}
-
 bool cpu_native_bf16() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") || (__builtin_cpu_supports("avx2") && cpu_avx_ne_convert());
+  // CPUID leaf 7 subleaf 1: AVX-VNNI in EAX bit 4, AVX-VNNI-INT8 and
+  // AVX-NE-CONVERT in EDX bits 4 and 5.
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  const bool leaf = __get_cpuid_count(7, 1, &a, &b, &c, &d);
+  const bool avx2_vnni_2 = leaf && (a & (1u << 4)) && (d & (1u << 4)) && (d & (1u << 5));
+  return __builtin_cpu_supports("avx512bf16") || (__builtin_cpu_supports("avx2") && avx2_vnni_2);
 #else
   return true;  // nothing to widen around: the products are torch's
 #endif

@@ -35,17 +35,14 @@ bool avx512_bf16();
 // The best tier this CPU runs.
 Isa cpu_isa();
 
-// Whether this CPU has AVX-NE-CONVERT (recent Intel cores). No kernel uses
-// it; with AVX2 it makes oneDNN's avx2_vnni_2 tier, which has a bfloat16
-// matmul, so torch's bfloat16 GEMM there is oneDNN's (optim's reference GEMM
-// kernels must then stand aside).
-bool cpu_avx_ne_convert();
-
 // Whether this CPU has what oneDNN, torch's bfloat16 GEMM on x86, computes
-// bfloat16 products with natively: AVX-512 BF16 (every AMX CPU has it too), or
-// AVX-NE-CONVERT with AVX2. No kernel uses it; elsewhere oneDNN emulates them
-// (AVX-512 CPUs from Skylake-SP to Ice Lake) or ATen's own loops run them, at
-// a fraction of the float32 rate (ops' products widen to float32 there).
+// bfloat16 products with natively: AVX-512 BF16 (every AMX CPU has it too),
+// or AVX2 with oneDNN's avx2_vnni_2 set (AVX-VNNI, AVX-VNNI-INT8 and
+// AVX-NE-CONVERT: recent Intel cores). No kernel uses it. Elsewhere oneDNN
+// emulates them (AVX-512 CPUs from Skylake-SP to Ice Lake), or on AVX2 CPUs
+// torch does not hand them to oneDNN and ATen's own loops run them, at a
+// fraction of the float32 rate: ops' products widen to float32 there, and
+// optim's reference GEMM kernels sum in ATen's order.
 bool cpu_native_bf16();
 
 // Whether this CPU is Intel's (CPUID vendor "GenuineIntel"). No kernel uses
