@@ -166,10 +166,10 @@ def test_bfloat16_linear_is_as_accurate_as_torchs():
     """bfloat16 forward and gradients no further from float64's than nn.Linear's own bfloat16 ones.
 
     On CPUs without bfloat16 dot products the fused products run in float32 on
-    widened copies (ops/matmul.cpp), a block of output rows at a time: these
-    shapes take two blocks in each product, the weight gradient's from a
-    transposed view, and the bias makes the forward accumulate. Elsewhere they
-    are torch's own products."""
+    widened copies (ops/matmul.cpp), in blocks: these shapes take two in each
+    product (the forward's of columns, the input gradient's of k, the weight
+    gradient's of rows, from a transposed view), and the bias makes the
+    forward accumulate. Elsewhere they are torch's own products."""
     torch.manual_seed(14)
     linear = randomize(torch.nn.Linear(512, 4096), seed=15).bfloat16()
     x = torch.randn(2, 1024, 512).bfloat16()
