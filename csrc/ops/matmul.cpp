@@ -24,10 +24,10 @@ bool own_kernel() {
 // torch's bfloat16 mm on x86 is oneDNN's. Without bfloat16 dot products
 // (simd::cpu_native_bf16) oneDNN emulates them with two float32 FMAs, about
 // 33 GF/s on an Ice Lake core against MKL's float32 127-152 (and on most AVX2
-// CPUs ATen's own loops run them). There the products run
-// in float32 on widened copies: a product of two bfloat16 numbers is exact in
-// float32, so the result is a float32 sum of exact products rounded once, as
-// oneDNN's is, in the float32 GEMM's order.
+// CPUs ATen's own loops run them). There the products run in float32 on
+// widened copies: a product of two bfloat16 numbers is exact in float32, so
+// the result is a float32 sum of exact products rounded once, as oneDNN's
+// is, in the float32 GEMM's order.
 bool widen_bf16() {
   static const bool yes = !simd::cpu_native_bf16();
   return yes;
@@ -39,8 +39,9 @@ bool widen_bf16() {
 // whatever the shapes (a Qwen3 LM head's weight, 151936 x 2048, would take
 // 1.2 GB in float32) and keeps each block under glibc's 32 MiB ceiling for
 // serving freed memory again: a larger one is mapped afresh and page-faulted
-// on every call. Blocks are large because each GEMM call packs its operands again: on
-// the LM head's products (Ice Lake, one core) 24 MiB blocks make the widened
+// on every call. Blocks are large because each GEMM call packs its operands
+// again (and each block widens its slices of a and b again): on the LM
+// head's products (Ice Lake, one core) 24 MiB blocks make the widened
 // products as fast as float32 ones, 4 MiB blocks 10-30% slower.
 constexpr int64_t kWidenBlockBytes = int64_t(24) << 20;
 constexpr int64_t kWidenSide = 2048;
@@ -135,12 +136,13 @@ void mm_widened(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool a
 }  // namespace
 
 void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
-  if (widen_bf16() && out.scalar_type() == at::kBFloat16 && a.scalar_type() == at::kBFloat16 &&
-      b.scalar_type() == at::kBFloat16) {
+  const at::ScalarType type = out.scalar_type();
+  const bool one_type = a.scalar_type() == type && b.scalar_type() == type;
+  if (one_type && type == at::kBFloat16 && widen_bf16()) {
     mm_widened(std::move(out), a, b, accumulate);
     return;
   }
-  const bool floats = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
+  const bool floats = one_type && type == at::kFloat;
   const auto c = floats && own_kernel() ? layout(out) : std::nullopt;
   if (c && !c->trans) {
     const auto [a_in, la] = readable(a);

@@ -53,6 +53,15 @@ std::vector<Tier> runnable_tiers() {
   return found;
 }
 
+// The value on /proc/cpuinfo's first line for `key` ("key<tabs>: value"),
+// empty where there is none (not Linux on x86).
+std::string cpuinfo(const char* key) {
+  std::ifstream file("/proc/cpuinfo");
+  for (std::string line; std::getline(file, line);)
+    if (line.rfind(key, 0) == 0) return line.substr(line.find(':') + 2);
+  return {};
+}
+
 }  // namespace
 
 TEST(Simd, HpSimdCapsTheCpusTier) {
@@ -74,10 +83,7 @@ TEST(Simd, HpSimdCapsTheCpusTier) {
 }
 
 TEST(Simd, CpuIntelAgreesWithProcCpuinfo) {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line, vendor;
-  while (vendor.empty() && std::getline(cpuinfo, line))
-    if (line.rfind("vendor_id", 0) == 0) vendor = line.substr(line.find(':') + 2);
+  const std::string vendor = cpuinfo("vendor_id");
   if (vendor.empty()) GTEST_SKIP() << "no vendor_id in /proc/cpuinfo (not Linux on x86)";
   EXPECT_EQ(cpu_intel(), vendor == "GenuineIntel") << vendor;
 }
@@ -86,13 +92,15 @@ TEST(Simd, CpuIntelAgreesWithProcCpuinfo) {
 // where a CPU has avx_vnni and AVX2 without AVX-512 BF16, this checks the
 // other flags only (and skips that case's verdict).
 TEST(Simd, CpuNativeBf16AgreesWithProcCpuinfo) {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line, flags;
-  while (flags.empty() && std::getline(cpuinfo, line))
-    if (line.rfind("flags", 0) == 0) flags = line.substr(line.find(':') + 1) + " ";
-  if (flags.empty()) GTEST_SKIP() << "no flags in /proc/cpuinfo (not Linux on x86)";
+  const std::string listed = cpuinfo("flags");
+  if (listed.empty()) GTEST_SKIP() << "no flags in /proc/cpuinfo (not Linux on x86)";
+  // Words between spaces, appended rather than joined by operator+, on which
+  // GCC 12 warns falsely (-Wrestrict).
+  std::string flags = " ";
+  flags += listed;
+  flags += ' ';
   const auto has = [&](const char* flag) {
-    std::string word = " ";  // appended, not operator+: GCC 12 warns falsely (-Wrestrict) on that
+    std::string word = " ";
     word += flag;
     word += ' ';
     return flags.find(word) != std::string::npos;
