@@ -75,9 +75,7 @@ void device_reduce(void* out, DType out_dtype, const std::vector<const void*>& i
       launch<dr::bf16_bits, float>(args, tiles, cuda_stream);
     else
       launch<dr::bf16_bits, dr::bf16_bits>(args, tiles, cuda_stream);
-    cudaError_t status = cudaGetLastError();
-    if (status != cudaSuccess)
-      throw fabric::DeviceError(std::string("hyperparallel: reduce kernel launch failed: ") + cudaGetErrorString(status));
+    fabric::device::check_launch("reduce-scatter");
   }
 }
 

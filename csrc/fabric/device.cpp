@@ -77,6 +77,8 @@ int current() {
 
 void synchronize(StreamHandle stream) { check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize"); }
 
+void check_launch(const char* what) { check(cudaGetLastError(), (std::string("the ") + what + " kernel's launch").c_str()); }
+
 }  // namespace device
 
 PeerMemory::PeerMemory(Fabric& fabric, int device, std::size_t bytes)

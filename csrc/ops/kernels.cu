@@ -12,9 +12,9 @@
 #include <cstdint>
 #include <initializer_list>
 #include <stdexcept>
-#include <string>
 
 #include "device_math.h"
+#include "hyperparallel/fabric/device.h"
 #include "kernels_cuda.h"
 #include "simd/bf16.h"
 
@@ -109,13 +109,6 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kWarps; ++k) total += sums[k][lane];
     partial[int64_t(blockIdx.y) * n + column] = total;
   }
-}
-
-void check_launch(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("hyperparallel: the ") + what + " kernel's launch failed: " +
-                             cudaGetErrorString(status));
 }
 
 // Calls f with a value of the C++ type of `dtype` (a tag).
@@ -397,7 +390,7 @@ void rms_norm_forward(DType xt, const void* x, DType wt, const void* w, DType yt
     forward_kernel<Tx, Tw, Ty><<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const Tx*>(x), static_cast<const Tw*>(w), static_cast<Ty*>(y), rstd, n, eps);
   });
-  check_launch("rms_norm forward");
+  fabric::device::check_launch("rms_norm forward");
 }
 
 void rms_norm_backward(DType yt, const void* dy, DType xt, const void* x, DType wt, const void* w, const float* rstd,
@@ -415,7 +408,7 @@ void rms_norm_backward(DType yt, const void* dy, DType xt, const void* x, DType 
     weight_grad_kernel<Tx, Ty><<<grid, kThreads, 0, s>>>(static_cast<const Ty*>(dy), static_cast<const Tx*>(x), rstd,
                                                          dw_partial, rows, n);
   });
-  check_launch("rms_norm backward");
+  fabric::device::check_launch("rms_norm backward");
 }
 
 void norm_rope_forward(DType t, const NormRope& shape, const void* x, const void* w, const float* cos,
@@ -427,7 +420,7 @@ void norm_rope_forward(DType t, const NormRope& shape, const void* x, const void
     norm_rope_forward_kernel<T><<<blocks_for(rows, kWarps), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         shape, static_cast<const T*>(x), static_cast<const T*>(w), cos, sin, static_cast<T*>(out), rstd, rows);
   });
-  check_launch("norm_rope forward");
+  fabric::device::check_launch("norm_rope forward");
 }
 
 void norm_rope_backward(DType t, const NormRope& shape, const void* g, const void* x, const void* w, const float* cos,
@@ -444,7 +437,7 @@ void norm_rope_backward(DType t, const NormRope& shape, const void* g, const voi
     norm_rope_weight_grad_kernel<T><<<unsigned(partials), kThreads, 0, st>>>(
         shape, static_cast<const T*>(g), static_cast<const T*>(x), cos, sin, rstd, dw_partial, rows);
   });
-  check_launch("norm_rope backward");
+  fabric::device::check_launch("norm_rope backward");
 }
 
 void swiglu_forward(DType t, const void* gu, void* a, int64_t rows, int64_t inter, void* stream) {
@@ -461,7 +454,7 @@ void swiglu_forward(DType t, const void* gu, void* a, int64_t rows, int64_t inte
     else
       launch(swiglu_forward_kernel<T, 1>, 1);
   });
-  check_launch("swiglu forward");
+  fabric::device::check_launch("swiglu forward");
 }
 
 void swiglu_backward(DType t, const void* gu, const void* da, const float* row_weight, void* dgu, void* a_w,
@@ -480,7 +473,7 @@ void swiglu_backward(DType t, const void* gu, const void* da, const float* row_w
     else
       launch(swiglu_backward_kernel<T, 1>);
   });
-  check_launch("swiglu backward");
+  fabric::device::check_launch("swiglu backward");
 }
 
 void zero_idle_groups(void* data, const int64_t* offsets, int64_t groups, int64_t group_bytes, void* stream) {
@@ -490,7 +483,7 @@ void zero_idle_groups(void* data, const int64_t* offsets, int64_t groups, int64_
   const dim3 grid(std::min(blocks_for(group_bytes / 16 + 1, kThreads), 64u), unsigned(groups));
   zero_idle_groups_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<char*>(data), offsets,
                                                                                      group_bytes);
-  check_launch("zero_idle_groups");
+  fabric::device::check_launch("zero_idle_groups");
 }
 
 void gather_sum(DType t, const void* src, const int64_t* pos, DType wt, const void* w, int64_t tokens, int64_t k,
@@ -511,7 +504,7 @@ void gather_sum(DType t, const void* src, const int64_t* pos, DType wt, const vo
         launch(gather_sum_kernel<T, Tw, 1>, 1);
     });
   });
-  check_launch("gather_sum");
+  fabric::device::check_launch("gather_sum");
 }
 
 }  // namespace hp::ops::cuda

@@ -6,9 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
+#include "hyperparallel/fabric/device.h"
 #include "muon_kernels_cuda.h"
 #include "muon_math.h"
 
@@ -79,13 +78,6 @@ int blocks_for(int64_t n) {
   return int(std::clamp<int64_t>(wanted, 1, int64_t(sms) * 8));
 }
 
-void check_launch(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("hp.optim.Muon: the ") + what + " kernel's launch failed: " +
-                             cudaGetErrorString(status));
-}
-
 }  // namespace
 
 void momentum(float* buf, const float* grad, uint16_t* out, int64_t n, double momentum, bool nesterov, void* stream) {
@@ -93,7 +85,7 @@ void momentum(float* buf, const float* grad, uint16_t* out, int64_t n, double mo
   const bool wide = aligned(buf, 16) && aligned(grad, 16) && aligned(out, 8);
   momentum_kernel<<<blocks_for(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       buf, grad, out, n, float(1.0 - momentum), float(momentum), nesterov, wide);
-  check_launch("momentum");
+  fabric::device::check_launch("hp.optim.Muon momentum");
 }
 
 void apply(float* param, const uint16_t* update, int64_t n, float decay, float alpha, void* stream) {
@@ -101,7 +93,7 @@ void apply(float* param, const uint16_t* update, int64_t n, float decay, float a
   const bool wide = aligned(param, 16) && aligned(update, 8);
   apply_kernel<<<blocks_for(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(param, update, n, decay, alpha,
                                                                                  wide);
-  check_launch("apply");
+  fabric::device::check_launch("hp.optim.Muon apply");
 }
 
 }  // namespace hp::optim::cuda

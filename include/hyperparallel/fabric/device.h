@@ -48,6 +48,10 @@ void set_current(int device);
 int current();
 // Blocks the host until `stream` has done everything enqueued so far.
 void synchronize(StreamHandle stream);
+// Throws DeviceError if this thread's last kernel launch failed (no image
+// for this GPU, a grid CUDA refuses, an earlier fault): every launcher calls
+// it after its launches. `what` names the kernel in the message.
+void check_launch(const char* what);
 
 // Device memory this process holds in PeerMemory buffers now (its own
 // allocations; its mappings of peers' are theirs): what a rank holds beside
