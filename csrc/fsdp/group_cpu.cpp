@@ -54,7 +54,7 @@ class CpuParamGroup : public ParamGroup {
   void wait_unshard() override;
   // The full parameters stay in shared memory: nothing to free.
   void reshard() override {}
-  void reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) override;
+  void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
   void release() override;
 
@@ -74,11 +74,16 @@ class CpuParamGroup : public ParamGroup {
   std::vector<int64_t> row_elems_;
   std::vector<int64_t> shard_offsets_;   // in the sharded gradient buffer
   int64_t total_elems_ = 0, shard_elems_ = 0;
+  // Bytes into a gradient slot where the per-parameter flags "this rank has a
+  // gradient" start, after the gradients.
+  int64_t flags_at_ = 0;
   at::ScalarType dtype_;
   bool posted_ = false;              // this rank's rows are posted for the coming unshard
-  at::Tensor sharded_grad_buffer_;  // reused across steps
-  at::Tensor last_output_;          // where the last reduction wrote
-  std::vector<bool> has_grad_;
+  at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
+  // Per parameter: some rank of the job had a gradient in the last reduction,
+  // so every rank's shard has one (a rank whose inputs skipped the module
+  // contributed zeros). Written by the reducer thread before its ticket ends.
+  std::vector<uint8_t> any_grad_;
   ReduceTicket ticket_ = 0;  // the last reduction handed to the reducer
 };
 
@@ -144,7 +149,8 @@ CpuParamGroup::CpuParamGroup(std::shared_ptr<Context> context, const std::vector
   }
   const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
   comm::dtype_of(grad_dtype);
-  grad_windows_.reserve(total_elems_ * c10::elementSize(grad_dtype));
+  flags_at_ = align_up(total_elems_) * int64_t(c10::elementSize(grad_dtype));
+  grad_windows_.reserve(std::size_t(flags_at_) + params.size());
   publish();
   wait_unshard();
 }
@@ -166,19 +172,18 @@ void CpuParamGroup::wait_unshard() {
   posted_ = false;
 }
 
-void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) {
+void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   TORCH_CHECK(grads.size() == shard_views_.size(), "hyperparallel fsdp: got ", grads.size(), " gradients for ",
               shard_views_.size(), " parameters");
-  has_grad_.clear();
-  for (const auto& grad : grads) has_grad_.push_back(grad.has_value());
   at::Tensor output;
-  if (fresh_output || !sharded_grad_buffer_.defined()) {
-    output = at::empty({shard_elems_}, at::TensorOptions().dtype(dtype_));
-    if (!fresh_output) sharded_grad_buffer_ = output;
+  if (sharded_grad_buffer_.defined() && sharded_grad_buffer_.storage().use_count() == 1) {
+    output = sharded_grad_buffer_;  // nothing holds the last step's gradients
   } else {
-    output = sharded_grad_buffer_;
+    // HSDP: the flags travel in the output's tail, in the all-reduce of the shard.
+    const int64_t tail = options_.replicate ? int64_t(grads.size()) : 0;
+    output = at::empty({shard_elems_ + tail}, at::TensorOptions().dtype(dtype_));
+    sharded_grad_buffer_ = output;
   }
-  last_output_ = output;
   ticket_ = reducer_->submit([this, grads = std::move(grads), output] { run_reduce(grads, output); });
 }
 
@@ -189,6 +194,7 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
   node.acquire(window);  // peers are done with the last group that used it
   at::Tensor mine = over(window, window.slot(node.rank()), total_elems_, grad_dtype);
+  auto flags = [&](int rank) { return static_cast<uint8_t*>(window.slot(rank)) + flags_at_; };
   for (std::size_t i = 0; i < grads.size(); ++i) {
     at::Tensor slot = mine.narrow(0, offsets_[i], param_views_[i].numel());
     if (grads[i]) {
@@ -196,6 +202,7 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
     } else {
       slot.zero_();  // a parameter unused here may be used on a peer
     }
+    flags(node.rank())[i] = grads[i].has_value();
   }
   // This rank's backward no longer reads the parameters. Peers publish their
   // gradients after their own release, so once the gradients are published
@@ -203,6 +210,9 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   node.release(read);
   node.publish(window);
   node.acquire(read);
+  std::vector<uint8_t> any(grads.size(), 0);
+  for (int r = 0; r < node.size(); ++r)
+    for (std::size_t i = 0; i < grads.size(); ++i) any[i] |= flags(r)[i];
   const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
   const float scale = 1.0f / float(node.size() * replicas);
   const std::size_t out_size = c10::elementSize(dtype_);
@@ -215,9 +225,14 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   }
   node.release(window);
   if (options_.replicate) {
+    at::Tensor tail = output.narrow(0, shard_elems_, int64_t(any.size()));
+    tail.copy_(at::from_blob(any.data(), {int64_t(any.size())}, at::TensorOptions().dtype(at::kByte)));
     std::vector<at::Tensor> tensors{output};
     options_.replicate->allreduce(tensors)->wait();
+    at::Tensor seen = tail.ne(0).to(at::kByte);  // a sum of 0s and 1s, non-zero where any node had one
+    std::copy_n(seen.const_data_ptr<uint8_t>(), any.size(), any.begin());
   }
+  any_grad_ = std::move(any);
 }
 
 std::vector<std::optional<at::Tensor>> CpuParamGroup::sharded_grads() {
@@ -226,8 +241,9 @@ std::vector<std::optional<at::Tensor>> CpuParamGroup::sharded_grads() {
   context_->count_wait(started);
   std::vector<std::optional<at::Tensor>> grads;
   for (std::size_t i = 0; i < shard_views_.size(); ++i) {
-    if (!has_grad_.empty() && has_grad_[i]) {
-      grads.push_back(last_output_.narrow(0, shard_offsets_[i], shard_views_[i].numel()).view(shard_views_[i].sizes()));
+    if (!any_grad_.empty() && any_grad_[i]) {
+      grads.push_back(
+          sharded_grad_buffer_.narrow(0, shard_offsets_[i], shard_views_[i].numel()).view(shard_views_[i].sizes()));
     } else {
       grads.push_back(std::nullopt);
     }

@@ -169,7 +169,7 @@ class CudaParamGroup : public ParamGroup {
   void begin_unshard() override;
   void wait_unshard() override;
   void reshard() override;
-  void reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) override;
+  void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
   void release() override;
 
@@ -204,8 +204,7 @@ class CudaParamGroup : public ParamGroup {
   fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, reduced_at_;
   uint64_t publish_round_ = 0;
   bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
-  at::Tensor sharded_grad_buffer_;  // reused across steps
-  at::Tensor last_output_;
+  at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
   std::vector<bool> has_grad_;
   ReduceTicket ticket_ = 0;
 };
@@ -373,20 +372,19 @@ void CudaParamGroup::reshard() {
   free_full();
 }
 
-void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) {
+void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   TORCH_CHECK(grads.size() == shard_views_.size(), "hyperparallel fsdp: got ", grads.size(), " gradients for ",
               shard_views_.size(), " parameters");
   c10::DeviceGuard guard(device_);
   has_grad_.clear();
   for (const auto& grad : grads) has_grad_.push_back(grad.has_value());
   at::Tensor output;
-  if (fresh_output || !sharded_grad_buffer_.defined()) {
-    output = at::empty({layout_.shard_capacity}, at::TensorOptions().dtype(dtype_).device(device_));
-    if (!fresh_output) sharded_grad_buffer_ = output;
+  if (sharded_grad_buffer_.defined() && sharded_grad_buffer_.storage().use_count() == 1) {
+    output = sharded_grad_buffer_;  // nothing holds the last step's gradients
   } else {
-    output = sharded_grad_buffer_;
+    output = at::empty({layout_.shard_capacity}, at::TensorOptions().dtype(dtype_).device(device_));
+    sharded_grad_buffer_ = output;
   }
-  last_output_ = output;
   // The gradients and the output are ready on the compute stream here. The
   // allocator may hand the gradients' memory to the compute stream again as
   // soon as this function drops them: tell it the reduce-scatter stream
@@ -480,7 +478,7 @@ std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {
   std::vector<std::optional<at::Tensor>> grads;
   for (std::size_t i = 0; i < shard_views_.size(); ++i) {
     if (!has_grad_.empty() && has_grad_[i]) {
-      grads.push_back(last_output_.narrow(0, layout_.shard_offset[rank()][i], shard_views_[i].numel())
+      grads.push_back(sharded_grad_buffer_.narrow(0, layout_.shard_offset[rank()][i], shard_views_[i].numel())
                           .view(shard_views_[i].sizes()));
     } else {
       grads.push_back(std::nullopt);

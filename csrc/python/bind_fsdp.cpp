@@ -33,7 +33,7 @@ void bind_fsdp(py::module_& m) {
       .def("begin_unshard", &ParamGroup::begin_unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &ParamGroup::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &ParamGroup::reshard, py::call_guard<py::gil_scoped_release>())
-      .def("reduce", &ParamGroup::reduce, py::arg("grads"), py::arg("fresh_output"),
+      .def("reduce", &ParamGroup::reduce, py::arg("grads"),
            py::call_guard<py::gil_scoped_release>())
       .def("sharded_grads", &ParamGroup::sharded_grads, py::call_guard<py::gil_scoped_release>())
       .def("release", &ParamGroup::release, py::call_guard<py::gil_scoped_release>());

@@ -13,6 +13,7 @@ on another rank is one call into C++, which also serves a C++ program without th
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ class _ParamRef:
     sharded: nn.Parameter  # DTensor over this rank's rows
     unsharded: nn.Parameter  # plain tensor over the full parameter
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    # Gradients of backwards without reduction, in the reduce dtype where it is wider than
+    # the compute dtype (mixed precision), as torch sums them: bf16 sums would lose them.
+    accumulated: torch.Tensor | None = None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -102,6 +106,9 @@ class GroupState:
                 )
         self.training_state = TrainingState.IDLE
         self.unsharded = False  # which face is registered
+        # CPU: this iteration's full parameters are in place (waited for once per iteration;
+        # nothing writes them before the optimizer, after backward).
+        self.gathered = False
         self.pending_backwards = 0  # forward calls this iteration whose backward has not reached us
         self.reduced = False  # a reduction was handed to C++ this backward
         self.root: RootContext | None = None  # the root that drives this group, once it ran
@@ -129,11 +136,14 @@ class GroupState:
 
     # -- unshard and reshard --------------------------------------------------------------------
     def unshard(self) -> None:
-        """Make the full parameters current and registered. On the CPU they stay current once
-        posted; on a device this waits for this iteration's pull."""
-        if self.core is None or (self.unsharded and not self.on_device):
+        """Make the full parameters current and registered. On the CPU the first call of an
+        iteration waits for every rank's rows and later ones only register; on a device
+        each waits for this iteration's pull."""
+        if self.core is None:
             return
-        self.core.wait_unshard()
+        if self.on_device or not (self.gathered or self.unsharded):
+            self.core.wait_unshard()
+            self.gathered = True
         if not self.unsharded:
             self.register(unsharded=True)
 
@@ -150,25 +160,34 @@ class GroupState:
 
     # -- forward --------------------------------------------------------------------------------
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.training_state = TrainingState.FORWARD
+        recompute = self.training_state == TrainingState.PRE_BACKWARD
+        if not recompute:
+            self.training_state = TrainingState.FORWARD
         self.unshard()
-        if self.root is not None:
-            self.root.prefetch_after(self)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if recompute:
+            # Activation checkpointing runs forward again inside this module's backward:
+            # the parameters are there, and the first forward's hooks see the backward.
+            return args, kwargs
+        if self.root is not None:
+            self.root.prefetch_after(self)
         if torch.is_grad_enabled() and self.refs:
             self.pending_backwards += 1
             args, kwargs = self._hook_inputs(args, kwargs)
         return args, kwargs
 
     def post_forward(self, output):
-        if self.reshard_after_forward:
-            self.reshard()
-            # The freed parameters must come back before this module's backward.
-            if self.on_device and torch.is_grad_enabled() and self.refs:
-                self._hook_outputs(output)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return output  # a recomputation (see pre_forward): backward goes on
+        if self.reshard_after_forward:
+            self.reshard()
+        # The full parameters must be registered (on a device: pulled) again before this
+        # module's backward, which may also run its forward again (activation checkpointing).
+        if torch.is_grad_enabled() and self.refs:
+            self._hook_outputs(output)
         self.training_state = TrainingState.IDLE
         return output
 
@@ -182,10 +201,8 @@ class GroupState:
         return tree_unflatten(leaves, spec)
 
     def _hook_outputs(self, output) -> None:
-        leaves, _ = tree_flatten(output)
-        for tensor in leaves:
-            if torch.is_tensor(tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward_hook)
+        for tensor in _grad_tensors(output):
+            tensor.register_hook(self._pre_backward_hook)
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward_hook(self, grad):
@@ -198,6 +215,7 @@ class GroupState:
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         if self.root is not None:
+            self.root.queue_final_callback()
             self.root.prefetch_before(self)
 
     def post_backward(self) -> None:
@@ -207,25 +225,42 @@ class GroupState:
             return  # used again earlier in forward: wait for that use's backward
         self.pending_backwards = 0
         self.training_state = TrainingState.POST_BACKWARD
+        self._accumulate()
         if self.requires_gradient_sync:
             grads = []
             for ref in self.refs:
-                grads.append(ref.unsharded.grad)
-                ref.unsharded.grad = None
+                grads.append(ref.accumulated if ref.accumulated is not None else ref.unsharded.grad)
+                ref.unsharded.grad = ref.accumulated = None
             # Every rank reduces a group whose parameters train, with or without local
             # gradients (zeros then), so that a rank whose inputs skipped a module does not
             # leave its peers waiting in the reduction.
             if any(ref.unsharded.requires_grad for ref in self.refs):
-                fresh = any(ref.sharded.grad is not None for ref in self.refs)
-                self.core.reduce(grads, fresh)
+                self.core.reduce(grads)
                 self.reduced = True
         if self.reshard_after_backward:
             self.reshard()
 
+    def _accumulate(self) -> None:
+        """Moves this backward's full gradients into the wider accumulated ones, where
+        there are (or, in a backward without reduction, should be) any."""
+        reduce_dtype = self.mp_policy.reduce_dtype
+        for ref in self.refs:
+            grad = ref.unsharded.grad
+            if grad is None:
+                continue
+            if ref.accumulated is not None:
+                ref.accumulated += grad
+            elif not self.requires_gradient_sync and reduce_dtype is not None and grad.dtype != reduce_dtype:
+                ref.accumulated = grad.to(reduce_dtype)
+            else:
+                continue
+            ref.unsharded.grad = None
+
     def finish_backward(self) -> None:
         """End of backward: flush a group whose post-backward never ran, collect sharded grads."""
         if self.pending_backwards > 0 or (
-            self.requires_gradient_sync and any(ref.unsharded.grad is not None for ref in self.refs)
+            self.requires_gradient_sync
+            and any(ref.unsharded.grad is not None or ref.accumulated is not None for ref in self.refs)
         ):
             self.pending_backwards = 1
             self.post_backward()
@@ -267,19 +302,21 @@ class RootContext:
         for group in self.groups:
             if group.core is not None and (group.on_device or not group.unsharded):
                 group.core.publish()  # never blocks: each group's wait is in its own pre-forward
+                group.gathered = False
 
     def post_forward(self, output):
         self.recording = False
         if torch.is_grad_enabled():
             self.callback_queued = False
-            leaves, _ = tree_flatten(output)
-            for tensor in leaves:
-                if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._queue_final_callback)
+            for tensor in _grad_tensors(output):
+                tensor.register_hook(self._queue_final_callback)
         else:
-            # No backward will release the parameters: do it now, so the
-            # optimizer may write them.
+            # No backward follows: the sharded parameters are the module's again (as
+            # torch's, so that an optimizer or a state dict made now sees them), and
+            # the optimizer may write them.
             for group in self.groups:
+                if group.unsharded:
+                    group.reshard()
                 if group.core is not None:
                     group.core.release()
         return output
@@ -302,15 +339,33 @@ class RootContext:
             if index > 0 and self.order[index - 1].reshard_after_forward:
                 self.order[index - 1].prefetch()
 
-    def _queue_final_callback(self, grad):
+    def queue_final_callback(self) -> None:
+        """Once per backward, from the first hook that sees it: the end of backward."""
         if not self.callback_queued:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _queue_final_callback(self, grad):
+        self.queue_final_callback()
         return grad
 
     def _finish_backward(self) -> None:
         for group in reversed(self.groups):
             group.finish_backward()
+
+
+def _grad_tensors(tree) -> list[torch.Tensor]:
+    """The tensors that require grad in a module's output: pytree containers (HF's
+    ModelOutput among them) and dataclasses, as torch's FSDP2 finds them."""
+    found = []
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if torch.is_tensor(leaf):
+            if leaf.requires_grad:
+                found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _grad_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
 
 
 def _cast_floats(tree, dtype: torch.dtype):

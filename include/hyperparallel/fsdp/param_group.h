@@ -108,11 +108,14 @@ class ParamGroup {
   virtual void reshard() = 0;
 
   // Hands this rank's full gradients (nullopt: none) to the reducer thread and
-  // returns at once. `fresh_output`: reduce into new memory, because the
-  // previous sharded gradients are still in use.
-  virtual void reduce(std::vector<std::optional<at::Tensor>> grads, bool fresh_output) = 0;
+  // returns at once. The sharded gradients land in the last reduction's
+  // memory unless something still holds that (the optimizer's .grad, or a
+  // caller keeping last step's): then in new memory, as torch never writes a
+  // gradient it handed out.
+  virtual void reduce(std::vector<std::optional<at::Tensor>> grads) = 0;
   // Waits for the reduction; returns this rank's sharded gradients (in the
-  // parameters' dtype), nullopt for parameters that got no gradient here.
+  // parameters' dtype), nullopt for parameters that got no gradient here
+  // (CPU: on no rank of the job, so that every rank holds the same ones).
   virtual std::vector<std::optional<at::Tensor>> sharded_grads() = 0;
   // Declares this rank done reading its peers' rows and waits until every
   // rank is, so that the optimizer may write shards. Backward does this by
