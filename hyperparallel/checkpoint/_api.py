@@ -135,6 +135,20 @@ def _lock_new_staging(staged: Path, path: Path) -> int:
         os.close(fd)
 
 
+def _check_replaceable(path: Path) -> None:
+    """A save publishes its directory in place of ``path``: only an earlier checkpoint (or an
+    empty directory) may be there, never a user's other files."""
+    if not os.path.lexists(path) or (path / METADATA).is_file():
+        return
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        return
+    what = "a directory that is not a checkpoint" if path.is_dir() else "a file"
+    raise CheckpointError(
+        f"{path} is {what} (no {METADATA}): a save replaces only an earlier checkpoint of that name; "
+        "save to another path, or move it away"
+    )
+
+
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> None:
     """Save ``state_dict`` to directory ``path``; every rank writes only its own shards.
 
@@ -159,6 +173,7 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
     lock, error = None, None
     if rank == 0:
         try:
+            _check_replaceable(path)
             lock = _lock_new_staging(staged, path)
         except CheckpointError as e:
             error = str(e)
@@ -322,6 +337,9 @@ def _stage(value):
 
 
 _async_groups: dict[tuple[int, ...], Any] = {}
+# Per group: the last background save started. The next one starts after it, so that every
+# rank runs their collectives in the order it called async_save (two at once would interleave).
+_async_tails: dict[Any, AsyncSave] = {}
 _in_flight: weakref.WeakSet = weakref.WeakSet()  # AsyncSaves not yet waited for
 _finish_at_shutdown = False  # _finish_in_flight is registered with hp.comm.shutdown
 
@@ -405,4 +423,12 @@ def _async_save(state_dict, path: Path, process_group, on_published=None) -> Asy
     group = _async_group(process_group)
     snapshot = _stage(state_dict)
     path = path.absolute()
-    return AsyncSave(lambda: _save(snapshot, path, group, on_published), path)
+    previous = _async_tails.get(group)
+
+    def after_previous() -> None:
+        if previous is not None:
+            previous._thread.join()
+        _save(snapshot, path, group, on_published)
+
+    _async_tails[group] = pending = AsyncSave(after_previous, path)
+    return pending

@@ -36,6 +36,10 @@ from hyperparallel import _C
 from hyperparallel.checkpoint._storage import CheckpointError, io_threads
 
 INDEX = "model.safetensors.index.json"
+# The weight files transformers loads from a directory, in its order of preference: what
+# write_directory removes from a directory it writes into, lest an old one be loaded instead.
+_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+                      r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json")
 SINGLE = "model.safetensors"
 
 _DTYPE_CODES = {
@@ -128,7 +132,9 @@ def write_directory(tensors: dict[str, torch.Tensor], out: str | os.PathLike, co
                     max_shard_size: int = 5 << 30) -> Path:
     """An HF directory ``out``: ``tensors`` in ``model-0000i-of-0000n.safetensors`` shards of at most
     ``max_shard_size`` bytes (a larger tensor gets a shard of its own), the index, and ``config``
-    copied to ``config.json``."""
+    copied to ``config.json``. Weight files already in ``out`` (``model.safetensors``, other
+    shards, ``pytorch_model*.bin``) are removed once the new ones are written; its other
+    files stay."""
     out = Path(out)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -139,6 +145,7 @@ def write_directory(tensors: dict[str, torch.Tensor], out: str | os.PathLike, co
         shards[-1][name] = tensor
         size += tensor.nbytes
     out.mkdir(parents=True, exist_ok=True)
+    stale = [old for old in out.iterdir() if _WEIGHTS.fullmatch(old.name) and old.is_file()]
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -147,7 +154,11 @@ def write_directory(tensors: dict[str, torch.Tensor], out: str | os.PathLike, co
     total = sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2))
-    shutil.copyfile(config, out / "config.json")
+    for old in stale:  # once the new weights are all there
+        if old.name not in weight_map.values() and old.name != INDEX:
+            old.unlink()
+    if not (out / "config.json").exists() or not os.path.samefile(config, out / "config.json"):
+        shutil.copyfile(config, out / "config.json")
     return out
 
 

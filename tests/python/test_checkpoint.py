@@ -154,6 +154,26 @@ def test_bad_input_errors(tmp_path):
         ckpt.CheckpointManager(tmp_path, keep_last=0)
 
 
+def test_a_save_replaces_only_a_checkpoint(tmp_path):
+    """A save publishes its directory in place of the path: a user's files there are kept and the
+    save refused, a file too; an empty directory or an earlier checkpoint is replaced."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes/todo.txt").write_text("keep me")
+    (tmp_path / "file").write_text("keep me too")
+    for taken in ("notes", "file"):
+        with pytest.raises(ckpt.CheckpointError, match="save to another path, or move it away"):
+            ckpt.save({"w": torch.ones(2)}, tmp_path / taken)
+    assert (tmp_path / "notes/todo.txt").read_text() == "keep me"
+    assert (tmp_path / "file").read_text() == "keep me too"
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    (tmp_path / "empty").mkdir()
+    for round_ in range(2):  # an empty directory, then the checkpoint just written
+        ckpt.save({"w": torch.full((2,), float(round_))}, tmp_path / "empty")
+        state = {"w": torch.zeros(2)}
+        ckpt.load(state, tmp_path / "empty")
+        assert torch.equal(state["w"], torch.full((2,), float(round_)))
+
+
 def test_manager_latest_and_keep_last(tmp_path):
     manager = ckpt.CheckpointManager(tmp_path / "run", keep_last=2)
     assert manager.latest() is None and manager.load_latest(blank(sample_state())) is None

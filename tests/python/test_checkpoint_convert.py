@@ -45,6 +45,22 @@ def test_to_hf_loads_in_transformers_with_same_logits(tmp_path):
         assert torch.equal(state["model"][key], value), key
 
 
+def test_to_hf_into_an_hf_directory_replaces_its_weights(tmp_path):
+    """Writing into a directory that already holds a model (even the config's own directory):
+    transformers then loads the new weights, not the old single file it would prefer."""
+    old, new = tiny_model(0), tiny_model(1)
+    old.save_pretrained(tmp_path / "hf")  # model.safetensors and config.json
+    (tmp_path / "hf/README.md").write_text("a model card")
+    ckpt.save({"model": new.state_dict()}, tmp_path / "ckpt")
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config",
+                 str(tmp_path / "hf/config.json"), "--max-shard-size", "40KB"]) == 0
+    assert not (tmp_path / "hf/model.safetensors").exists()
+    assert (tmp_path / "hf/README.md").read_text() == "a model card"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for key, value in new.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
 def test_from_hf_fuses_hub_style_experts(tmp_path):
     model = tiny_model()
     hub = {}

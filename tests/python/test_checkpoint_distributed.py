@@ -199,3 +199,26 @@ def test_reshard_to_one_plain_process(saved):
     assert state["step"] == SAVE_AT
     for key, value in model.state_dict().items():
         assert torch.equal(value, original[0]["saved"][f"model.{key}"]), key
+
+
+def saves_in_flight(root: str) -> list[float]:
+    """Three async saves started back to back on every rank, then waited for."""
+    hp.comm.init()
+    pending = [hp.checkpoint.async_save({"w": torch.full((1 << 16,), float(10 * i)), "step": i},
+                                        f"{root}/c{i}") for i in range(3)]
+    for save in pending:
+        save.result(timeout=120)
+    values = []
+    for i in range(3):
+        state = {"w": torch.zeros(1 << 16), "step": -1}
+        hp.checkpoint.load(state, f"{root}/c{i}")
+        assert state["step"] == i
+        values.append(state["w"][0].item())
+    return values
+
+
+def test_async_saves_in_flight_together(tmp_path):
+    """Each rank's background saves run in the order it started them: two at once would
+    interleave their collectives (a hang, or garbage) on the group they share."""
+    for values in run(saves_in_flight, nproc=2, args=(str(tmp_path),)).values():
+        assert values == [0.0, 10.0, 20.0]
