@@ -68,6 +68,15 @@ def _default_nproc(device: str) -> int:
     return 1
 
 
+# What a run writes into output.dir: all that --overwrite deletes, and all that makes a
+# directory "hold a run". Anything else there (the config, notes, the token file) is the user's.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "summary.json")
+
+
+def _run_outputs(out: Path) -> list[Path]:
+    return [out / name for name in RUN_OUTPUTS if os.path.lexists(out / name)]
+
+
 def check_output(cfg: Config, overwrite: bool) -> str:
     """What to do with ``output.dir``: "fresh" or "resume"; raises ConfigError if it holds a run.
 
@@ -76,23 +85,31 @@ def check_output(cfg: Config, overwrite: bool) -> str:
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir: {out} is a file; set output.dir to a directory")
-    if overwrite or not out.exists() or not any(out.iterdir()):
+    outputs = _run_outputs(out)
+    if overwrite or not outputs:
         return "fresh"
     from hyperparallel.trainer.state import latest_checkpoint
 
-    if cfg.checkpoint.resume and latest_checkpoint(out / "checkpoints"):
+    if not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"output.dir: {out} already holds a run ({', '.join(p.name for p in outputs)}) and "
+            "checkpoint.resume is false; pass --overwrite to replace it, or set output.dir to a new directory"
+        )
+    if latest_checkpoint(out / "checkpoints"):
         return "resume"
     raise ConfigError(
-        f"output.dir: {out} already holds a run ({', '.join(sorted(p.name for p in out.iterdir())[:4])}) "
+        f"output.dir: {out} already holds a run ({', '.join(p.name for p in outputs)}) "
         f"and nothing to resume from; pass --overwrite to replace it, or set output.dir to a new directory"
     )
 
 
 def clear_output(cfg: Config) -> None:
-    """Delete ``output.dir`` (``--overwrite``)."""
-    out = Path(cfg.output.dir)
-    if out.is_dir():
-        shutil.rmtree(out)
+    """Delete a previous run's outputs from ``output.dir`` (``--overwrite``), and nothing else."""
+    for path in _run_outputs(Path(cfg.output.dir)):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def ensure_tokens(cfg: Config) -> None:
@@ -132,8 +149,6 @@ def main(argv: list[str]) -> int:
         return 2
     if _under_torchrun():
         return _as_torchrun_rank(cfg, args.overwrite, mode)
-    if mode == "fresh" and args.overwrite:
-        clear_output(cfg)
     ensure_tokens(cfg)
     try:
         from hyperparallel.trainer.model import hf_config
@@ -142,6 +157,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"hyperparallel train: {error}", file=sys.stderr)
         return 2
+    if mode == "fresh" and args.overwrite:  # every check passed: nothing is lost to a refused run
+        clear_output(cfg)
     # On a GPU the estimate traces the model on CUDA fake tensors, which makes a CUDA context:
     # rank 0 makes it there, not this launcher, whose context would hold GPU 0's memory all run.
     estimate = None
@@ -229,10 +246,11 @@ def _as_torchrun_rank(cfg: Config, overwrite: bool, mode: str) -> int:
     from hyperparallel.trainer.loop import rank_main
 
     hp.comm.init()
-    if dist.get_rank() == 0 and mode == "fresh" and overwrite:
-        clear_output(cfg)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         ensure_tokens(cfg)
+    dist.barrier()
+    if dist.get_rank() == 0 and mode == "fresh" and overwrite:
+        clear_output(cfg)
     dist.barrier()
     try:
         rank_main(cfg.to_dict(), None)

@@ -4,6 +4,7 @@ Every case goes through the real command (``hyperparallel.cli.main``) in this pr
 the checks run before any rank starts.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from hyperparallel.cli import main
 from hyperparallel.trainer.config import ConfigError, load_config, resolve_device
+from hyperparallel.trainer.run import check_output, clear_output
 from hyperparallel.trainer.data import TokenLoader
 from hyperparallel.trainer.tokenize import prepare
 
@@ -110,6 +112,29 @@ def test_refuses_to_overwrite(tmp_path, capsys):
     status = main(["data", "prepare", str(REPO / "examples/data/stories.txt"), "--out", str(tokens)])
     assert status == 2 and "pass --overwrite" in capsys.readouterr().err
     assert tokens.read_bytes() == b"keep"
+
+
+def test_overwrite_deletes_only_a_runs_outputs_once_every_check_passed(tmp_path, capsys):
+    text = tmp_path / "small.txt"
+    text.write_text((REPO / "examples/data/stories.txt").read_text()[:50_000])
+    tokens = tmp_path / "small.bin"
+    prepare([str(text)], tokens, tokenizer="bpe", vocab_size=300)
+    config = json.loads((REPO / "examples/tiny-moe.config.json").read_text())
+    (tmp_path / "vocab100.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    out = tmp_path / "out"
+    (out / "checkpoints/step_00000004").mkdir(parents=True)
+    for name in ("metrics.jsonl", "NOTES.md"):
+        (out / name).write_text("keep")
+    # A check that fails late (the tokens' vocabulary against the model's) deletes nothing.
+    status, err = _train([str(DEFAULT), f"model.config={tmp_path / 'vocab100.json'}", f"data.tokens={tokens}",
+                          f"output.dir={out}", "--overwrite"], capsys)
+    assert status == 2 and "vocabulary of 300" in err
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.md", "checkpoints", "metrics.jsonl"]
+    cfg = load_config(DEFAULT, [f"output.dir={out}"])
+    clear_output(cfg)  # what --overwrite does just before the ranks start
+    assert [p.name for p in out.iterdir()] == ["NOTES.md"]
+    # The user's own files are no run: training may start beside them.
+    assert check_output(cfg, overwrite=False) == "fresh"
 
 
 def test_loader_shards_deterministically_and_resumes(tmp_path):
