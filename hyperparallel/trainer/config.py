@@ -280,7 +280,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} is not key=value (example: train.steps=100)")
     parts = key.strip().split(".")
-    return parts, yaml.safe_load(value) if value.strip() else None
+    try:
+        return parts, yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({getattr(error, 'problem', None) or error}); "
+            f"quote it for a string: '{key.strip()}=\"...\"'"
+        ) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -306,12 +312,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         parts, value = parse_override(text)
         node = data
         for i, part in enumerate(parts[:-1]):
-            if not isinstance(node.get(part, {}), dict):
+            child = node.get(part)
+            if child is None:  # absent, or a section whose keys are all commented out
+                child = node[part] = {}
+            elif not isinstance(child, dict):
                 section = ".".join(parts[: i + 1])
                 raise ConfigError(f"override {text!r}: '{section}' is not a section")
-            node = node.setdefault(part, {})
-            if node is None:
-                node = {}
+            node = child
         node[parts[-1]] = value
     cfg = _build(Config, data, "")
     check_values(cfg)
@@ -338,12 +345,15 @@ def check_values(cfg: Config) -> None:
         "optim.lr": o.lr, "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
         "train.max_grad_norm": t.max_grad_norm, "checkpoint.every": cfg.checkpoint.every,
         "train.threads_per_rank": t.threads_per_rank, "optim.min_lr_ratio": o.min_lr_ratio,
+        "optim.ns_steps": o.ns_steps, "optim.momentum": o.momentum,
     }
     for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"config key '{key}' must not be negative, got {value}")
-    if len(o.betas) != 2:
-        raise ConfigError(f"config key 'optim.betas' must be two numbers like [0.9, 0.95], got {o.betas}")
+        if not value >= 0:  # NaN too
+            raise ConfigError(f"config key '{key}' must be a number >= 0, got {value}")
+    if not o.min_lr_ratio <= 1:
+        raise ConfigError(f"config key 'optim.min_lr_ratio' is the final lr over the peak: at most 1, got {o.min_lr_ratio}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"config key 'optim.betas' must be two numbers in [0, 1) like [0.9, 0.95], got {o.betas}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ConfigError(f"config key 'train.stop_at' must be between 1 and train.steps={t.steps}, got {t.stop_at}")
     if cfg.output.log_every < 1:

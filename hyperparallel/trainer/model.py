@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hyperparallel.trainer.config import Config
+from hyperparallel.trainer.config import Config, ConfigError
 
 
 def hf_config(cfg: Config):
@@ -19,8 +19,24 @@ def hf_config(cfg: Config):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    source = cfg.model.pretrained if cfg.model.pretrained is not None else cfg.model.config
-    config = AutoConfig.from_pretrained(source)
+    key, source = ("model.pretrained", cfg.model.pretrained) if cfg.model.pretrained is not None else (
+        "model.config", cfg.model.config)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{key}: {source} is not a transformers model config ({str(error).splitlines()[0]}); "
+            "give a config.json with a model_type, e.g. examples/tiny-moe.config.json"
+        ) from None
+    if cfg.model.patch:
+        from hyperparallel.nn.modules import SUPPORTED_MODELS
+
+        fused = sorted({cls.config_class.model_type for cls in SUPPORTED_MODELS})
+        if config.model_type not in fused:
+            raise ConfigError(
+                f"model.patch: hp.nn.patch has fused modules for {', '.join(fused)}, not {config.model_type}; "
+                "set model.patch=false to train it with transformers' own modules"
+            )
     config.use_cache = False
     return config
 

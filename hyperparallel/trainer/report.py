@@ -122,8 +122,14 @@ class Metrics:
     def __init__(self, path: Path, keep_until: int) -> None:
         self.path = path
         if path.exists():  # resuming: drop steps after the checkpoint, they are redone
-            lines = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in lines if json.loads(line).get("step", 0) <= keep_until]
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # blank, or cut short by a crash while it was written
+                if record.get("step", 0) <= keep_until:
+                    kept.append(line)
             path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
 

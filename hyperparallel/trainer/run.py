@@ -121,7 +121,11 @@ def ensure_tokens(cfg: Config) -> None:
           f"({'training a BPE of ' + str(p.vocab_size) if p.tokenizer == 'bpe' else p.tokenizer})", flush=True)
     from hyperparallel.trainer.tokenize import prepare
 
-    meta = prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size, eos_token=p.eos_token)
+    try:
+        meta = prepare(p.text, cfg.data.tokens, tokenizer=p.tokenizer, vocab_size=p.vocab_size,
+                       eos_token=p.eos_token)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"data.prepare: making {cfg.data.tokens} failed: {error}") from None
     print(f"hyperparallel train: wrote {cfg.data.tokens}: {meta['num_tokens']:,} tokens", flush=True)
 
 
@@ -140,7 +144,12 @@ def main(argv: list[str]) -> int:
             check_files(cfg)
             from hyperparallel.trainer.estimate import dry_run
 
-            print(dry_run(cfg, world))
+            plan = dry_run(cfg, world)
+            if Path(cfg.data.tokens).is_file():  # else the run will make it
+                from hyperparallel.trainer.model import hf_config
+
+                check_vocab(cfg, hf_config(cfg).vocab_size)
+            print(plan)
             return 0
         check_files(cfg)
         mode = check_output(cfg, args.overwrite)
@@ -149,8 +158,8 @@ def main(argv: list[str]) -> int:
         return 2
     if _under_torchrun():
         return _as_torchrun_rank(cfg, args.overwrite, mode)
-    ensure_tokens(cfg)
     try:
+        ensure_tokens(cfg)
         from hyperparallel.trainer.model import hf_config
 
         check_vocab(cfg, hf_config(cfg).vocab_size)

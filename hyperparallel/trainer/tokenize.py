@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,8 +101,12 @@ def prepare(
     Raises FileExistsError if ``tokens`` exists and ``overwrite`` is false.
     """
     tokens = Path(tokens)
+    if tokens.suffix == ".json":
+        raise ValueError(f"{tokens}: the token file's metadata goes beside it as NAME.json; name it NAME.bin")
     if tokens.exists() and not overwrite:
         raise FileExistsError(f"{tokens} exists; pass --overwrite to replace it")
+    if tokenizer == "bpe" and vocab_size < 1:
+        raise ValueError(f"a BPE vocabulary needs at least 1 token, got {vocab_size}")
     for name in text:
         if not Path(name).is_file():
             raise FileNotFoundError(f"text file {name} does not exist")
@@ -121,7 +126,8 @@ def prepare(
     vocab = tok.get_vocab_size()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     tokens.parent.mkdir(parents=True, exist_ok=True)
-    partial = tokens.with_name(tokens.name + ".partial")
+    # Every process its own: the nodes of a job on a shared file system may all be making it.
+    partial = tokens.with_name(f".{tokens.name}.{socket.gethostname()}.{os.getpid()}.partial")
     count, documents = 0, 0
     with open(partial, "wb") as out:
         out.write(bytes(HEADER_BYTES))  # written for real once the count is known
@@ -136,6 +142,9 @@ def prepare(
             ids = _with_eos(tok.encode_batch(batch), eos_id, dtype)
             out.write(ids.tobytes())
             count, documents = count + len(ids), documents + len(batch)
+    if count == 0:
+        partial.unlink()
+        raise ValueError(f"{', '.join(map(str, text))} hold no text: there is nothing to train on")
     meta = {
         "format": FORMAT,
         "dtype": np.dtype(dtype).name,
@@ -188,7 +197,7 @@ def prepare_cli(argv: list[str]) -> int:
         meta = prepare(
             text, out,
             tokenizer=args.tokenizer or prep.tokenizer,
-            vocab_size=args.vocab_size or prep.vocab_size,
+            vocab_size=prep.vocab_size if args.vocab_size is None else args.vocab_size,
             eos_token=args.eos_token or prep.eos_token,
             overwrite=args.overwrite,
         )

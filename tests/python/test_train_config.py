@@ -64,6 +64,34 @@ def test_wrong_type_names_key_and_expected_type(tmp_path, capsys):
     assert load_config(DEFAULT, ["optim.lr=3e-4"]).optim.lr == 3e-4
 
 
+def test_values_and_overrides_a_run_could_not_use(tmp_path, capsys):
+    for override, message in {
+        "optim.betas=[0.9,0.99": "the value is not valid YAML",
+        "optim.betas=[1.5,0.9]": "'optim.betas' must be two numbers in [0, 1)",
+        "optim.ns_steps=-2": "'optim.ns_steps' must be a number >= 0",
+        "optim.min_lr_ratio=5": "'optim.min_lr_ratio' is the final lr over the peak: at most 1",
+        "optim.lr=.nan": "'optim.lr' must be a number >= 0, got nan",
+    }.items():
+        status, err = _train([str(DEFAULT), *_base(tmp_path), override, "--dry-run"], capsys)
+        assert status == 2 and message in err, override
+    # A section whose keys are all commented out still takes dotted overrides.
+    cfg = _config(tmp_path, f"model:\n  config: {REPO / 'examples/tiny-moe.config.json'}\ncheckpoint:\n  # every: 4\n")
+    assert load_config(cfg, ["checkpoint.every=2"]).checkpoint.every == 2
+
+
+def test_a_model_the_run_cannot_build_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "no-type.json").write_text('{"hidden_size": 3}')
+    status, err = _train([str(DEFAULT), *_base(tmp_path), f"model.config={tmp_path / 'no-type.json'}", "--dry-run"],
+                         capsys)
+    assert status == 2 and "is not a transformers model config" in err
+    llama = {"model_type": "llama", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    (tmp_path / "llama.json").write_text(json.dumps(llama))
+    status, err = _train([str(DEFAULT), *_base(tmp_path), f"model.config={tmp_path / 'llama.json'}", "--dry-run"],
+                         capsys)
+    assert status == 2 and "not llama; set model.patch=false" in err
+
+
 def test_batch_not_divisible_by_world(tmp_path, capsys):
     status, err = _train([str(DEFAULT), *_base(tmp_path), "--nproc", "3"], capsys)
     assert status == 2
@@ -135,6 +163,15 @@ def test_overwrite_deletes_only_a_runs_outputs_once_every_check_passed(tmp_path,
     assert [p.name for p in out.iterdir()] == ["NOTES.md"]
     # The user's own files are no run: training may start beside them.
     assert check_output(cfg, overwrite=False) == "fresh"
+
+
+def test_text_that_makes_no_token_file(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    status, err = _train([str(DEFAULT), *_base(tmp_path), f"data.prepare.text=[{tmp_path / 'empty.txt'}]"], capsys)
+    assert status == 2 and "hold no text" in err
+    assert not any((tmp_path / "data").iterdir())  # nothing a later run would take for data
+    status = main(["data", "prepare", str(REPO / "examples/data/stories.txt"), "--out", str(tmp_path / "x.json")])
+    assert status == 2 and "name it NAME.bin" in capsys.readouterr().err
 
 
 def test_loader_shards_deterministically_and_resumes(tmp_path):
@@ -234,3 +271,12 @@ def test_token_vocabulary_larger_than_the_model(tmp_path, capsys):
     assert status == 2
     assert "has a vocabulary of 400 but the model's vocab_size is 300" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_drops_a_metrics_line_a_crash_cut_short(tmp_path):
+    from hyperparallel.trainer.report import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 7.5}\n{"step": 2, "loss": 7.1}\n{"step": 3, "lo')
+    Metrics(path, keep_until=2).close()
+    assert path.read_text() == '{"step": 1, "loss": 7.5}\n{"step": 2, "loss": 7.1}\n'
