@@ -69,8 +69,14 @@ class _TensorRecord(tuple):
     """(storage key, dtype, storage offset, size, stride) of a pickled tensor."""
 
 
-def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *rest):
+def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None, *rest):
     _, name, key, _, _ = storage
+    if metadata and (metadata.get("conj") or metadata.get("neg")):
+        # torch.save kept a lazily conjugated (or negated) view's storage as it is.
+        raise CheckpointError(
+            "a checkpoint item is a conjugated or negated view saved unresolved, which hp.checkpoint does not "
+            "read; save tensor.resolve_conj().resolve_neg() instead"
+        )
     return _TensorRecord((key, _dtype_of(name), storage_offset, tuple(size), tuple(stride)))
 
 
@@ -110,7 +116,8 @@ class Writer(FileSystemWriter):
             if wi.type == WriteItemType.BYTE_IO:
                 entries.append((data.getvalue(),))
             else:
-                tensor = data.detach().cpu().contiguous()
+                # The values, not a lazy conjugate's (or negative's) storage: the pickle has no flag.
+                tensor = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
                 entries.append((tensor, storage_type(tensor.dtype)))
         try:
             extents, size, crc = _C.ckpt_write_file(os.path.join(self.path, file_name), entries)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                   dtype=getattr(torch, args.dtype) if args.dtype else None)
         else:
             from_hf(args.hf_dir, args.out, prefix=args.prefix)
-    except (CheckpointError, FileNotFoundError) as error:
+    except (CheckpointError, OSError, RuntimeError) as error:  # RuntimeError: the C++ reader's I/O errors
         print(f"hyperparallel convert: {error}")
         return 1
     print(f"hyperparallel convert: wrote {args.out}")

@@ -80,8 +80,16 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        (length,) = struct.unpack("<Q", _C.ckpt_read_bytes(self.path, 0, 8))
-        header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
+        size = os.path.getsize(self.path)
+        (length,) = struct.unpack("<Q", _C.ckpt_read_bytes(self.path, 0, 8)) if size >= 8 else (size,)
+        try:
+            if length > size - 8:
+                raise ValueError(f"its header would be {length} bytes, the file has {size}")
+            header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+        except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+            raise CheckpointError(f"{self.path} is not a safetensors file ({error}); check the file") from None
         header.pop("__metadata__", None)
         self._data_start = 8 + length
         self._entries = header

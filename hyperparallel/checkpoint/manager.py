@@ -20,6 +20,7 @@ from hyperparallel.checkpoint._api import (
     load,
     save,
 )
+from hyperparallel.checkpoint._storage import CheckpointError
 
 _STEP = re.compile(r"^step_(\d{8,})$")
 _STAGING = re.compile(r"^\.step_(\d{8,})\.partial$")
@@ -90,7 +91,11 @@ class CheckpointManager:
         """
         self.wait()
         path = self.path(step)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(f"cannot make the checkpoint directory {self.root}: {error}; "
+                                  "set it to a writable directory") from None
         if async_:
             self._pending = _async_save(state_dict, path, self.process_group, self._retain)
         else:

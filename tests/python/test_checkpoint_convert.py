@@ -94,3 +94,13 @@ def test_convert_errors_name_the_fix(tmp_path, capsys):
     (tmp_path / "c.json").write_text("{}")
     assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "c.json")]) == 1
     assert "--prefix" in capsys.readouterr().out
+    # A file named .safetensors that is not one (a torch.save pickle, text), and an HF directory
+    # given as the checkpoint to write.
+    (tmp_path / "bad").mkdir()
+    torch.save({"w": torch.zeros(2)}, tmp_path / "bad/model.safetensors")
+    assert main(["from-hf", str(tmp_path / "bad"), str(tmp_path / "out")]) == 1
+    assert "bad/model.safetensors is not a safetensors file" in capsys.readouterr().out
+    tiny_model().save_pretrained(tmp_path / "hf_model")
+    assert main(["from-hf", str(tmp_path / "hf_model"), str(tmp_path / "hf_model")]) == 1
+    assert "is a directory that is not a checkpoint" in capsys.readouterr().out
+    assert (tmp_path / "hf_model/model.safetensors").exists()
