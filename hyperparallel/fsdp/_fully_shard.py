@@ -67,6 +67,32 @@ class FSDPModule:
         """Register the sharded (DTensor) parameters again."""
         self._hp_state.reshard()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to_empty``, ``to``, ``float`` ...) on a sharded module. The
+        parameters hp shards live in node memory and stay there: a call that leaves their dtype
+        and device as they are (``to_empty`` on their device, after a meta-device init) passes
+        them by; one that would change them is refused, since it would cut them off from that
+        memory. Buffers and unsharded parameters are converted as usual."""
+        held = []
+        for state in _states(self, recurse=True):
+            for ref in state.refs:
+                probe = fn(torch.empty(0, dtype=ref.sharded.dtype, device=ref.sharded.device))
+                if probe.dtype != ref.sharded.dtype or probe.device != ref.sharded.device:
+                    raise TypeError(
+                        f"hp.fully_shard: the sharded parameters are {ref.sharded.dtype} on {ref.sharded.device} "
+                        f"in the node's shared memory and cannot become {probe.dtype} on {probe.device}; "
+                        "convert the module before fully_shard"
+                    )
+                for module, name in ref.owners:
+                    if module._parameters.get(name) is not None:  # None keeps the order of the names
+                        held.append((module, name, module._parameters[name]))
+                        module._parameters[name] = None
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for module, name, param in held:
+                module._parameters[name] = param
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates full gradients locally without reducing (gradient accumulation)."""
         for state in _states(self, recurse):
@@ -218,6 +244,11 @@ def fully_shard(
     if len(devices) > 1:
         raise ValueError(f"hp.fully_shard: parameters on several devices {devices}; move the module to one first")
     device = params[0].device if params else _mesh_or_default_device(mesh)
+    # A module built on the meta device (too large to build whole): its shards get memory here,
+    # uninitialised, for an init or a load after to_empty() to fill, as with torch's FSDP2.
+    on_meta = device.type == "meta"
+    if on_meta:
+        device = _mesh_or_default_device(mesh)
     mesh = mesh if mesh is not None else _default_mesh(device)
     replicate = _validate_mesh(mesh, communicator.topology)
     if params and device.type != mesh.device_type:
@@ -238,9 +269,10 @@ def fully_shard(
     # of its own, as in torch: its state still drives the iteration.
     core = None
     if params:
-        core = _C.ParamGroup(
-            _context(), [p.detach() for p in params], mp_policy.param_dtype, mp_policy.reduce_dtype, replicate,
-        )
+        # On the meta device: untouched memory of the full shape, of which each rank reads only
+        # its own rows (on the CPU, pages no one touches cost nothing).
+        sources = [torch.empty(p.shape, dtype=p.dtype, device=device) if on_meta else p.detach() for p in params]
+        core = _C.ParamGroup(_context(), sources, mp_policy.param_dtype, mp_policy.reduce_dtype, replicate)
     state = GroupState(modules, params, core, mesh, placements,
                        None if reshard_after_forward is None else bool(reshard_after_forward), mp_policy)
     for m in modules:

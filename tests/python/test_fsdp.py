@@ -13,6 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import distribute_tensor
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import hyperparallel as hp
@@ -432,6 +433,31 @@ def test_evaluation_checkpointing_dataclasses_skipped_modules_and_accumulation_a
             assert ours[n].dtype == torch.float32
             torch.testing.assert_close(ours[n], theirs[n], rtol=1e-6, atol=1e-7, msg=n)
         assert result["kept gradient unchanged"]
+
+
+def meta_init() -> tuple[dict, dict]:
+    """FSDP2's flow for a model too large to build whole: on the meta device, sharded, to_empty,
+    then a load of the full weights into the shards."""
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank = dist.get_rank()
+    built = sharded_net("hp")
+    full_state = Net().state_dict()
+    with torch.device("meta"):
+        net = Net()
+    net = sharded_net("hp", net)
+    net.to_empty(device="cpu")
+    net.load_state_dict({k: distribute_tensor(v, p.device_mesh, p.placements)
+                         for (k, v), p in zip(full_state.items(), net.state_dict().values())})
+    with pytest.raises(TypeError, match="convert the module before fully_shard"):
+        net.to(torch.float64)
+    return sgd_steps(net, rank), sgd_steps(built, rank)
+
+
+def test_meta_device_init_to_empty_and_load():
+    for ours, reference in run(meta_init, nproc=2).values():
+        for k in reference:
+            assert torch.equal(ours[k], reference[k]), k
 
 
 # -- building and dropping models ---------------------------------------------------------------
