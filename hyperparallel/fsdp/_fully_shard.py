@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from hyperparallel import _C
 from hyperparallel import comm as hp_comm
@@ -282,8 +282,26 @@ def fully_shard(
         m._hp_state = state
         m.register_forward_pre_hook(_pre_forward, with_kwargs=True)
         m.register_forward_hook(_post_forward)
+        m.register_load_state_dict_post_hook(_keep_shards_after_assign)
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _keep_shards_after_assign(module: nn.Module, incompatible_keys) -> None:
+    """``load_state_dict(..., assign=True)`` put the loaded tensors in place of the parameters:
+    their values go into the shards in node memory instead, and the group's parameters return."""
+    state = module._hp_state
+    for ref in state.refs:
+        current = ref.unsharded if state.unsharded else ref.sharded
+        for owner, name in ref.owners:
+            loaded = owner._parameters.get(name)
+            if loaded is None or loaded is ref.sharded or loaded is ref.unsharded:
+                continue
+            with torch.no_grad():
+                if not isinstance(loaded, torch.distributed.tensor.DTensor):
+                    loaded = distribute_tensor(loaded.detach(), state.mesh, state.placements)
+                ref.sharded.to_local().copy_(loaded.to_local())
+            owner._parameters[name] = current
 
 
 def _mesh_or_default_device(mesh: DeviceMesh | None) -> torch.device:

@@ -141,7 +141,7 @@ class GroupState:
         each waits for this iteration's pull."""
         if self.core is None:
             return
-        if self.on_device or not (self.gathered or self.unsharded):
+        if self.on_device or not self.gathered:
             self.core.wait_unshard()
             self.gathered = True
         if not self.unsharded:
@@ -300,7 +300,9 @@ class RootContext:
 
     def pre_forward(self) -> None:
         for group in self.groups:
-            if group.core is not None and (group.on_device or not group.unsharded):
+            # Every iteration, whichever face is registered: the wait that follows is what
+            # orders this rank's reads after the peers' writes (the optimizer's, a load's).
+            if group.core is not None:
                 group.core.publish()  # never blocks: each group's wait is in its own pre-forward
                 group.gathered = False
 

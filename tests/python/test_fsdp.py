@@ -451,6 +451,16 @@ def meta_init() -> tuple[dict, dict]:
                          for (k, v), p in zip(full_state.items(), net.state_dict().values())})
     with pytest.raises(TypeError, match="convert the module before fully_shard"):
         net.to(torch.float64)
+    # load_state_dict(assign=True) after a forward: the values go into the shards.
+    other = sharded_net("hp")
+    other(net_data(rank, 0)[0])
+    loaded = Net()
+    with torch.no_grad():
+        for param in loaded.parameters():
+            param.add_(0.5)
+    other.load_state_dict(loaded.state_dict(), assign=True)
+    probe = net_data(rank, 5)[0]
+    torch.testing.assert_close(other(probe), loaded(probe), rtol=0, atol=1e-6)
     return sgd_steps(net, rank), sgd_steps(built, rank)
 
 
