@@ -74,6 +74,14 @@ def from_hf(hf_dir, out, *, prefix: str = "model.") -> Path:
     for path in hf.shard_files(hf_dir):
         tensors.update(read_safetensors(path))
     tensors = hf.fuse_experts(tensors)
+    # A model whose head is its embedding saves the embedding only; its state_dict() (which a
+    # load fills) has both names.
+    if (Path(hf_dir) / "config.json").is_file() and "lm_head.weight" not in tensors:
+        from transformers import AutoConfig
+
+        embedding = next((name for name in tensors if name.endswith("embed_tokens.weight")), None)
+        if embedding is not None and AutoConfig.from_pretrained(hf_dir).tie_word_embeddings:
+            tensors["lm_head.weight"] = tensors[embedding]
     nested: dict = {}
     if prefix:
         if not prefix.endswith("."):

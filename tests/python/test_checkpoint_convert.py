@@ -7,7 +7,7 @@ import json
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import hyperparallel.checkpoint as ckpt
 from hyperparallel.checkpoint.convert import main, read_safetensors
@@ -85,6 +85,21 @@ def test_from_hf_fuses_hub_style_experts(tmp_path):
     ckpt.load(state, tmp_path / "ckpt")
     for key, value in model.state_dict().items():
         assert torch.equal(state["model"][key], value), key
+
+
+def test_from_hf_of_tied_embeddings_loads_into_the_model(tmp_path):
+    """save_pretrained leaves out a head tied to the embedding; the model's state_dict has it."""
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(config)
+    state = {"model": model.state_dict()}
+    ckpt.load(state, tmp_path / "ckpt")
+    model.load_state_dict(state["model"])
+    assert torch.equal(model.lm_head.weight, AutoModelForCausalLM.from_pretrained(tmp_path / "hf").lm_head.weight)
 
 
 def test_convert_errors_name_the_fix(tmp_path, capsys):
