@@ -156,7 +156,8 @@ class Trainer:
                   f"{self.stop}; raise train.steps (or train.stop_at) to continue, or pass --overwrite to start "
                   "afresh", flush=True)
         metrics = report.Metrics(self.out / "metrics.jsonl", keep_until=self.step) if self.rank == 0 else None
-        progress = report.Progress(cfg.train.steps, self.step, cfg.output.log_every, cfg.output.progress and self.rank == 0)
+        progress = report.Progress(cfg.train.steps, self.step, self.stop, cfg.output.log_every,
+                                   cfg.output.progress and self.rank == 0)
         records: list[dict[str, Any]] = []
         saved: Path | None = None
         t_loop = time.perf_counter()

@@ -85,34 +85,39 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """A one-line progress bar on stderr (a line every ``every`` steps when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (a line every ``every`` steps when stderr is not a terminal).
 
-    def __init__(self, total: int, start: int, every: int, enabled: bool) -> None:
-        self.total, self.start, self.every, self.enabled = total, start, every, enabled
+    The bar runs to ``total`` (the schedule's steps); the time left and the last line are
+    this run's, which ends at ``stop`` (``train.stop_at``, or ``total``)."""
+
+    def __init__(self, total: int, start: int, stop: int, every: int, enabled: bool) -> None:
+        self.total, self.start, self.stop, self.every, self.enabled = total, start, stop, every, enabled
         self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
+        self.last = start
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
         """Show that ``step`` (1-based) finished."""
         if not self.enabled:
             return
+        self.last = step
         done = step - self.start
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - step) if done else 0.0
+        eta = elapsed / done * (self.stop - step) if done else 0.0
         frac = step / self.total
         bar = ("=" * int(24 * frac)).ljust(24)
         line = (f"step {step}/{self.total} [{bar}] {100 * frac:3.0f}% | loss {loss:.4f} | lr {lr:.2e} | "
                 f"{human(tokens_per_s)} tok/s | {duration(elapsed)}<{duration(eta)}")
         if self.tty:
             sys.stderr.write("\r" + line + "\x1b[K")
-            if step == self.total:
+            if step == self.stop:
                 sys.stderr.write("\n")
-        elif step % self.every == 0 or step == self.total or done == 1:
+        elif step % self.every == 0 or step == self.stop or done == 1:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
+        if self.enabled and self.tty and self.last != self.stop:  # ended early: end the bar's line
             sys.stderr.write("\n")
 
 

@@ -280,3 +280,14 @@ def test_resume_drops_a_metrics_line_a_crash_cut_short(tmp_path):
     path.write_text('{"step": 1, "loss": 7.5}\n{"step": 2, "loss": 7.1}\n{"step": 3, "lo')
     Metrics(path, keep_until=2).close()
     assert path.read_text() == '{"step": 1, "loss": 7.5}\n{"step": 2, "loss": 7.1}\n'
+
+
+def test_progress_ends_at_stop_at(capsys):
+    from hyperparallel.trainer.report import Progress
+
+    progress = Progress(400, 0, 45, 10, True)  # train.steps 400, train.stop_at 45, no terminal
+    for step in range(1, 46):
+        progress.update(step, 1.0, 1e-3, 100.0)
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["1/400", "10/400", "20/400", "30/400", "40/400", "45/400"]
