@@ -84,7 +84,16 @@ class Trainer:
         if not self.cfg.checkpoint.resume or self.manager.latest() is None:
             return 0
         loaded = state_lib.full_state(self.model, self.optimizers, state_lib.trainer_state(0, self.loader, self.cfg_dict))
-        if self.manager.load_latest(loaded) is None:
+        try:
+            found = self.manager.load_latest(loaded)
+        except hp.checkpoint.CheckpointError as error:
+            if not any(sign in str(error) for sign in ("Size mismatch", "Missing key", "Unexpected key")):
+                raise
+            raise hp.checkpoint.CheckpointError(
+                f"{self.manager.latest()} holds another model or optimizer than this config's ({error}); to start "
+                "afresh pass --overwrite, or set output.dir to a new directory"
+            ) from None
+        if found is None:
             raise RuntimeError(f"{self.manager.root}: the latest checkpoint vanished while loading")
         step = state_lib.apply_state(self.model, self.optimizers, loaded, self.loader)
         if self.rank == 0:

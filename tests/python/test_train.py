@@ -65,6 +65,17 @@ def test_default_run_learns_and_writes_outputs(full_run):
     assert f"step {STEPS}/{STEPS}" in result.stderr  # the progress bar
 
 
+def test_resume_into_another_optimizer_names_the_fix(full_run):
+    tmp, _ = full_run
+    shutil.copytree(tmp / "full", tmp / "other")
+    command = [sys.executable, "-m", "hyperparallel", "train", str(DEFAULT), "--nproc", "2",
+               *_short(tmp, "other", f"train.steps={STEPS + 2}", "optim.name=adamw")]
+    result = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "holds another model or optimizer than this config's" in result.stderr
+    assert "pass --overwrite" in result.stderr
+
+
 def test_resume_reproduces_losses_bitwise(full_run):
     """Stop at step 5, resume: every step's loss and gradient norm equal the uninterrupted run's.
     The first half also runs with activation checkpointing, whose recomputation must not
