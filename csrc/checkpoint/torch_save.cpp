@@ -106,8 +106,12 @@ class Pickler {
   uint32_t memo_ = 0;
 };
 
-// torch's pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`.
-std::string tensor_pickle(const std::string& storage_type, const std::vector<int64_t>& shape) {
+// torch's pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`
+// over a typed storage (`storage_type` torch.FloatStorage ...). The dtypes that have no typed
+// storage (float8s, uint16/32/64: `storage_type` is then the dtype's name) are pickled as
+// torch does, `_rebuild_tensor_v3(..., torch.<dtype>)` over an UntypedStorage of `nbytes`.
+std::string tensor_pickle(const std::string& storage_type, const std::vector<int64_t>& shape, uint64_t nbytes) {
+  const bool typed = storage_type.ends_with("Storage");
   int64_t numel = 1;
   std::vector<int64_t> stride(shape.size());
   for (size_t i = shape.size(); i-- > 0;) {
@@ -116,18 +120,21 @@ std::string tensor_pickle(const std::string& storage_type, const std::vector<int
   }
   Pickler p;
   p.proto();
-  p.global("torch._utils", "_rebuild_tensor_v2");
+  p.global("torch._utils", typed ? "_rebuild_tensor_v2" : "_rebuild_tensor_v3");
   p.memoize();
   p.out += "((";
   p.unicode("storage");
   p.memoize();
-  p.global("torch", storage_type);
+  if (typed)
+    p.global("torch", storage_type);
+  else
+    p.global("torch.storage", "UntypedStorage");
   p.memoize();
   p.unicode("0");
   p.memoize();
   p.unicode("cpu");
   p.memoize();
-  p.integer(numel);
+  p.integer(typed ? numel : int64_t(nbytes));
   p.out += 't';
   p.memoize();
   p.out += 'Q';  // BINPERSID
@@ -139,6 +146,10 @@ std::string tensor_pickle(const std::string& storage_type, const std::vector<int
   p.memoize();
   p.out += ")R";
   p.memoize();
+  if (!typed) {
+    p.global("torch", storage_type);  // the dtype
+    p.memoize();
+  }
   p.out += 't';
   p.memoize();
   p.out += 'R';
@@ -294,7 +305,7 @@ std::string ZipWriter::take() { return std::exchange(out_, std::string()); }
 TensorItemLayout::TensorItemLayout(const std::string& storage_type, const std::vector<int64_t>& shape,
                                    uint64_t nbytes)
     : nbytes_(nbytes) {
-  zip_.add("data.pkl", tensor_pickle(storage_type, shape));
+  zip_.add("data.pkl", tensor_pickle(storage_type, shape, nbytes));
   zip_.add(".format_version", "1");
   zip_.add(".storage_alignment", "64");
   zip_.add("byteorder", "little");

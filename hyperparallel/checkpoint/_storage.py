@@ -80,12 +80,23 @@ def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=N
     return _TensorRecord((key, _dtype_of(name), storage_offset, tuple(size), tuple(stride)))
 
 
+def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None, *rest):
+    """``_rebuild_tensor_v3``: torch's pickle of the dtypes without a typed storage (float8s,
+    uint16/32/64), an UntypedStorage and the dtype."""
+    _, _, key, _, _ = storage
+    return _rebuild(("storage", dtype, key, None, None), storage_offset, size, stride, requires_grad, hooks, metadata)
+
+
 class _TensorPickle(pickle.Unpickler):
     """Reads what torch.save pickled for a tensor without touching its data."""
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _rebuild_v3
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return name
         if module == "torch":
             return name  # a storage class: its name says the dtype
         if (module, name) == ("collections", "OrderedDict"):

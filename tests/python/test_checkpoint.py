@@ -66,12 +66,22 @@ def assert_equal(got: dict, expected: dict) -> None:
     "tensor",
     [torch.arange(6.0).reshape(2, 3), torch.tensor(3.0), torch.randn(2, 3, 4, 5, 6).bfloat16(), torch.zeros(0, 4),
      torch.arange(300).reshape(300, 1), torch.ones(70000, dtype=torch.int8), torch.ones(5, dtype=torch.bool),
-     torch.randn(3).half(), torch.randn(2, 2, dtype=torch.complex64)],
+     torch.randn(3).half(), torch.randn(2, 2, dtype=torch.complex64),
+     # dtypes without a typed storage: torch pickles them with _rebuild_tensor_v3
+     torch.randn(2, 3).to(torch.float8_e4m3fn), torch.arange(5).to(torch.uint16),
+     torch.arange(4).to(torch.uint64).reshape(2, 2)],
 )
-def test_items_are_torch_save_bytes(tensor):
+def test_items_are_torch_save_bytes(tensor, tmp_path):
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     assert _C.ckpt_torch_save_bytes(storage_type(tensor.dtype), tensor) == buffer.getvalue()
+    # And each way between hp.checkpoint and torch DCP.
+    ckpt.save({"t": tensor}, tmp_path / "hp")
+    dcp.save({"t": tensor}, checkpoint_id=tmp_path / "dcp")
+    for load, source in ((ckpt.load, "dcp"), (lambda s, p: dcp.load(s, checkpoint_id=p), "hp")):
+        got = {"t": torch.zeros_like(tensor)}
+        load(got, tmp_path / source)
+        assert torch.equal(got["t"].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), source
 
 
 def test_round_trip_and_dcp_interop_both_ways(tmp_path):

@@ -37,7 +37,8 @@ struct WriteItem {
   // True: a tensor serialized as torch.save would; false: raw bytes.
   bool is_tensor = false;
   // The tensor's storage class as torch pickles it ("FloatStorage",
-  // "BFloat16Storage", ...); unused for bytes.
+  // "BFloat16Storage", ...), or for a dtype without one the dtype's name
+  // ("float8_e4m3fn", "uint16", ...); unused for bytes.
   std::string storage_type;
   std::vector<int64_t> shape;  // contiguous strides are implied
   const void* data = nullptr;  // must stay valid until write_file returns
