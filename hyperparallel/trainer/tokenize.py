@@ -158,8 +158,11 @@ def prepare(
     }
     with open(partial, "r+b") as out:
         write_header(out, meta)
-    tok.save(str(tokenizer_path(tokens)))
-    meta_path(tokens).write_text(json.dumps(meta, indent=1) + "\n")
+    # Each file whole or not at all, whichever process (node) renames last.
+    tok.save(str(partial.with_suffix(".tokenizer")))
+    os.replace(partial.with_suffix(".tokenizer"), tokenizer_path(tokens))
+    partial.with_suffix(".meta").write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(partial.with_suffix(".meta"), meta_path(tokens))
     os.replace(partial, tokens)  # last: the token file exists only when complete
     return meta
 
