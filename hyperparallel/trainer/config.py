@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -182,6 +183,26 @@ def _type_name(hint: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(hint, str(hint))
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as configs are written: only true/false are booleans and nothing is a date, so a
+    string key takes `off`, `yes` or `2024-01-05` as written (a true/false key takes yes/no/on/off
+    too, in _coerce)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader
+
+
 def _coerce(key: str, value: Any, hint: Any, default: Any) -> Any:
     """``value`` as ``hint``, or a ConfigError saying what was expected."""
     origin = typing.get_origin(hint)
@@ -208,6 +229,8 @@ def _coerce(key: str, value: Any, hint: Any, default: Any) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in ("yes", "no", "on", "off"):
+            return value.lower() in ("yes", "on")
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -281,7 +304,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} is not key=value (example: train.steps=100)")
     parts = key.strip().split(".")
     try:
-        return parts, yaml.safe_load(value) if value.strip() else None
+        return parts, _yaml(value) if value.strip() else None
     except yaml.YAMLError as error:
         raise ConfigError(
             f"override {text!r}: the value is not valid YAML ({getattr(error, 'problem', None) or error}); "
@@ -303,7 +326,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _yaml(path.read_text()) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
         if not isinstance(data, dict):

@@ -62,6 +62,11 @@ def test_wrong_type_names_key_and_expected_type(tmp_path, capsys):
         load_config(DEFAULT, ["optim.name=sgd"])
     # YAML 1.1 reads 3e-4 as a string; a number key takes it.
     assert load_config(DEFAULT, ["optim.lr=3e-4"]).optim.lr == 3e-4
+    # ... and off, yes or 2024-01-05 as a boolean or a date: a string key takes them as written.
+    cfg = load_config(DEFAULT, ["output.dir=off", "data.tokens=2024-01-05.bin", "model.patch=no"])
+    assert (cfg.output.dir, cfg.data.tokens, cfg.model.patch) == ("off", "2024-01-05.bin", False)
+    cfg = load_config(DEFAULT, ["output.dir=2024-01-05"])
+    assert cfg.output.dir == "2024-01-05"
 
 
 def test_values_and_overrides_a_run_could_not_use(tmp_path, capsys):
