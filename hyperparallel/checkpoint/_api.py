@@ -267,11 +267,14 @@ def _verify_share(path: Path, rank: int, world: int) -> str | None:
     except (ValueError, KeyError) as e:
         return f"checkpoint manifest {manifest_path} is corrupted ({e}); the checkpoint cannot be trusted"
     names = sorted(files)
+    resaved = (path / METADATA).stat().st_mtime > manifest_path.stat().st_mtime
     for name in names:
         file = path / name
         if not file.exists():
             return f"checkpoint file {file} is missing"
         if file.stat().st_size != files[name]["size"]:
+            if resaved:
+                return _resaved(path, manifest_path)
             return (
                 f"checkpoint file {file} is truncated or overwritten: {file.stat().st_size} bytes, "
                 f"{files[name]['size']} expected; restore it or load an earlier checkpoint"
@@ -280,11 +283,21 @@ def _verify_share(path: Path, rank: int, world: int) -> str | None:
     for name in mine:
         _, crc = _C.ckpt_digest_file(str(path / name), io_threads())
         if crc != files[name]["crc32"]:
+            if resaved:
+                return _resaved(path, manifest_path)
             return (
                 f"checkpoint file {path / name} is corrupted: CRC-32 {crc:08x}, {files[name]['crc32']:08x} recorded; "
                 "restore it or load an earlier checkpoint"
             )
     return None
+
+
+def _resaved(path: Path, manifest_path: Path) -> str:
+    return (
+        f"checkpoint {path}: {METADATA} is newer than {MANIFEST} and does not match it: saved again by "
+        f"torch.distributed.checkpoint over an hp.checkpoint? Then delete {manifest_path} to load it without "
+        "checksums; else restore it or load an earlier checkpoint"
+    )
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> None:

@@ -164,6 +164,18 @@ def test_bad_input_errors(tmp_path):
         ckpt.CheckpointManager(tmp_path, keep_last=0)
 
 
+def test_a_dcp_save_over_an_hp_checkpoint_is_named(tmp_path):
+    ckpt.save({"w": torch.zeros(3), "step": 1}, tmp_path / "c")
+    os.utime(tmp_path / "c/.checksums.json", (1, 1))  # written long before torch's save below
+    dcp.save({"w": torch.ones(5), "step": 2, "extra": torch.ones(2)}, checkpoint_id=tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointError, match="saved again by torch.distributed.checkpoint"):
+        ckpt.load({"w": torch.zeros(5)}, tmp_path / "c")
+    (tmp_path / "c/.checksums.json").unlink()  # what the message says to do
+    state = {"w": torch.zeros(5), "step": 0}
+    ckpt.load(state, tmp_path / "c")
+    assert torch.equal(state["w"], torch.ones(5)) and state["step"] == 2
+
+
 def test_conjugate_views_keep_their_values(tmp_path):
     view = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
     ckpt.save({"c": view, "n": torch.tensor([1.0, -2.0])._neg_view()}, tmp_path / "hp")
