@@ -59,7 +59,7 @@ class CpuParamGroup : public ParamGroup {
   void release() override;
 
  private:
-  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output);
+  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale);
 
   std::shared_ptr<Context> context_;
   std::shared_ptr<comm::Communicator> communicator_;
@@ -184,10 +184,12 @@ void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
     output = at::empty({shard_elems_ + tail}, at::TensorOptions().dtype(dtype_));
     sharded_grad_buffer_ = output;
   }
-  ticket_ = reducer_->submit([this, grads = std::move(grads), output] { run_reduce(grads, output); });
+  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
+  const float scale = gradient_scale(communicator_->node().size() * replicas);
+  ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale] { run_reduce(grads, output, scale); });
 }
 
-void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output) {
+void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale) {
   comm::NodeComm& node = communicator_->node();
   comm::Window& read = compute_ ? *compute_ : params_;
   comm::Window& window = grad_windows_.next();
@@ -213,8 +215,6 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   std::vector<uint8_t> any(grads.size(), 0);
   for (int r = 0; r < node.size(); ++r)
     for (std::size_t i = 0; i < grads.size(); ++i) any[i] |= flags(r)[i];
-  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
-  const float scale = 1.0f / float(node.size() * replicas);
   const std::size_t out_size = c10::elementSize(dtype_);
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const comm::Range rows = shard_rows_[i];

@@ -176,7 +176,7 @@ class CudaParamGroup : public ParamGroup {
  private:
   void allocate_full();
   void free_full();
-  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output);
+  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale);
   // run_reduce's two ways: alone on the node (this rank's gradients are the
   // sum), or through a window every rank of the node reads.
   void reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output, float scale);
@@ -393,16 +393,16 @@ void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
   for (const auto& grad : grads)
     if (grad) impl.recordDataPtrOnStream(grad->storage().data_ptr(), state_.reduce_scatter);
-  ticket_ = reducer_->submit([this, grads = std::move(grads), output] { run_reduce(grads, output); });
+  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
+  const float scale = gradient_scale(ranks() * replicas);
+  ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale] { run_reduce(grads, output, scale); });
 }
 
-void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output) {
+void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale) {
   c10::DeviceGuard guard(device_);
   c10::StreamGuard on(state_.reduce_scatter);  // the ATen casts below run there too
   const StreamHandle stream = handle(state_.reduce_scatter);
   grads_at_.wait(stream);
-  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
-  const float scale = 1.0f / float(ranks() * replicas);
   if (ranks() == 1) {
     reduce_alone(grads, output, scale);
   } else {

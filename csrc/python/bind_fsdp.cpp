@@ -36,7 +36,8 @@ void bind_fsdp(py::module_& m) {
       .def("reduce", &ParamGroup::reduce, py::arg("grads"),
            py::call_guard<py::gil_scoped_release>())
       .def("sharded_grads", &ParamGroup::sharded_grads, py::call_guard<py::gil_scoped_release>())
-      .def("release", &ParamGroup::release, py::call_guard<py::gil_scoped_release>());
+      .def("release", &ParamGroup::release, py::call_guard<py::gil_scoped_release>())
+      .def("set_gradient_divide_factor", &ParamGroup::set_gradient_divide_factor, py::arg("factor"));
 }
 
 hp::python::Registrar registrar("fsdp", &bind_fsdp);

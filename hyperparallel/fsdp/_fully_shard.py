@@ -107,6 +107,12 @@ class FSDPModule:
         for state in _states(self, recurse):
             state.reshard_after_backward = reshard_after_backward
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's gradients become the sum over all ranks divided by ``factor``, instead
+        of their average (``factor=1.0``: the sum), as torch's. Not recursive, as torch's."""
+        if self._hp_state.core is not None:
+            self._hp_state.core.set_gradient_divide_factor(float(factor))
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Accepted for compatibility. On the CPU every group's rows are posted when the root's
         forward starts, so each unshard is a wait on data that is there; on a GPU each group

@@ -407,6 +407,17 @@ def corner_cases() -> dict:
     x, y = net_data(rank, 1)
     ((net(x) - y) ** 2).mean().backward()
     out["kept gradient unchanged"] = torch.equal(kept.to_local(), before)
+    # set_gradient_divide_factor(1.0): the sum over ranks (torch's needs PREMUL_SUM, which Gloo lacks).
+    grads = {}
+    for factor in (None, 1.0):
+        net = sharded_net("hp")
+        if factor is not None:
+            for module in (net, *net.blocks):
+                module.set_gradient_divide_factor(factor)
+        x, y = net_data(rank, 0)
+        ((net(x) - y) ** 2).mean().backward()
+        grads[factor] = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
+    out["divide factor 1"] = grads
     return out
 
 
@@ -433,6 +444,8 @@ def test_evaluation_checkpointing_dataclasses_skipped_modules_and_accumulation_a
             assert ours[n].dtype == torch.float32
             torch.testing.assert_close(ours[n], theirs[n], rtol=1e-6, atol=1e-7, msg=n)
         assert result["kept gradient unchanged"]
+        average, total = result["divide factor 1"][None], result["divide factor 1"][1.0]
+        assert all(torch.equal(total[n], 2 * average[n]) for n in average)
 
 
 def meta_init() -> tuple[dict, dict]:

@@ -121,6 +121,20 @@ class ParamGroup {
   // rank is, so that the optimizer may write shards. Backward does this by
   // itself; needed after a forward without backward.
   virtual void release() = 0;
+
+  // Gradients are summed over the job's ranks and divided by `factor`
+  // (FSDP2's set_gradient_divide_factor); nullopt: by the number of ranks,
+  // an average. From the next reduce() on.
+  void set_gradient_divide_factor(std::optional<double> factor) { divide_factor_ = factor; }
+
+ protected:
+  // What reduce() multiplies the sum over `ranks` ranks by.
+  float gradient_scale(int ranks) const {
+    return divide_factor_ ? float(1.0 / *divide_factor_) : 1.0f / float(ranks);
+  }
+
+ private:
+  std::optional<double> divide_factor_;
 };
 
 // How a device backend makes groups; a backend linked into the extension
