@@ -82,14 +82,16 @@ class SafetensorsFile:
         self.path = str(path)
         size = os.path.getsize(self.path)
         (length,) = struct.unpack("<Q", _C.ckpt_read_bytes(self.path, 0, 8)) if size >= 8 else (size,)
-        try:
-            if length > size - 8:
-                raise ValueError(f"its header would be {length} bytes, the file has {size}")
-            header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
-            if not isinstance(header, dict):
-                raise ValueError("its header is not a JSON object")
-        except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
-            raise CheckpointError(f"{self.path} is not a safetensors file ({error}); check the file") from None
+        header = None
+        if length <= size - 8:
+            try:
+                header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
+            except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+                header = None
+        if not isinstance(header, dict):
+            reason = ("its header is not a JSON object" if length <= size - 8 else f"it has {size} bytes" if size < 8
+                      else f"its first 8 bytes give a header of {length} bytes, longer than the file ({size} bytes)")
+            raise CheckpointError(f"{self.path} is not a safetensors file ({reason}); check the file")
         header.pop("__metadata__", None)
         self._data_start = 8 + length
         self._entries = header

@@ -200,7 +200,7 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader
+    return yaml.load(text, Loader=_Loader)
 
 
 def _coerce(key: str, value: Any, hint: Any, default: Any) -> Any:

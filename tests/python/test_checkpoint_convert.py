@@ -7,7 +7,13 @@ import json
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import hyperparallel.checkpoint as ckpt
 from hyperparallel.checkpoint.convert import main, read_safetensors

@@ -14,8 +14,8 @@ import torch
 
 from hyperparallel.cli import main
 from hyperparallel.trainer.config import ConfigError, load_config, resolve_device
-from hyperparallel.trainer.run import check_output, clear_output
 from hyperparallel.trainer.data import TokenLoader
+from hyperparallel.trainer.run import check_output, clear_output
 from hyperparallel.trainer.tokenize import prepare
 
 REPO = Path(__file__).resolve().parents[2]
