@@ -69,22 +69,27 @@ class _TensorRecord(tuple):
     """(storage key, dtype, storage offset, size, stride) of a pickled tensor."""
 
 
-def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None, *rest):
-    _, name, key, _, _ = storage
+def _record(key, dtype_name: str, storage_offset, size, stride, metadata) -> _TensorRecord:
     if metadata and (metadata.get("conj") or metadata.get("neg")):
         # torch.save kept a lazily conjugated (or negated) view's storage as it is.
         raise CheckpointError(
             "a checkpoint item is a conjugated or negated view saved unresolved, which hp.checkpoint does not "
             "read; save tensor.resolve_conj().resolve_neg() instead"
         )
-    return _TensorRecord((key, _dtype_of(name), storage_offset, tuple(size), tuple(stride)))
+    return _TensorRecord((key, _dtype_of(dtype_name), storage_offset, tuple(size), tuple(stride)))
+
+
+def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None, *rest):
+    """``_rebuild_tensor_v2``: a typed storage, whose class name says the dtype."""
+    _, name, key, _, _ = storage
+    return _record(key, name, storage_offset, size, stride, metadata)
 
 
 def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None, *rest):
     """``_rebuild_tensor_v3``: torch's pickle of the dtypes without a typed storage (float8s,
-    uint16/32/64), an UntypedStorage and the dtype."""
+    uint16/32/64), an UntypedStorage and the dtype's name after it."""
     _, _, key, _, _ = storage
-    return _rebuild(("storage", dtype, key, None, None), storage_offset, size, stride, requires_grad, hooks, metadata)
+    return _record(key, dtype, storage_offset, size, stride, metadata)
 
 
 class _TensorPickle(pickle.Unpickler):

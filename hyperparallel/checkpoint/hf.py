@@ -36,8 +36,8 @@ from hyperparallel import _C
 from hyperparallel.checkpoint._storage import CheckpointError, io_threads
 
 INDEX = "model.safetensors.index.json"
-# The weight files transformers loads from a directory, in its order of preference: what
-# write_directory removes from a directory it writes into, lest an old one be loaded instead.
+# The weight files transformers loads from a directory: what write_directory removes from a
+# directory it writes into, lest an old one be loaded instead of the new shards.
 _WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
                       r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json")
 SINGLE = "model.safetensors"
@@ -81,17 +81,21 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         size = os.path.getsize(self.path)
-        (length,) = struct.unpack("<Q", _C.ckpt_read_bytes(self.path, 0, 8)) if size >= 8 else (size,)
-        header = None
-        if length <= size - 8:
-            try:
-                header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
-            except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
-                header = None
+        if size < 8:
+            raise CheckpointError(f"{self.path} is not a safetensors file (it has {size} bytes); check the file")
+        (length,) = struct.unpack("<Q", _C.ckpt_read_bytes(self.path, 0, 8))
+        if length > size - 8:
+            raise CheckpointError(
+                f"{self.path} is not a safetensors file (its first 8 bytes give a header of {length} bytes, "
+                f"longer than the file's {size}); check the file"
+            )
+        try:
+            header = json.loads(_C.ckpt_read_bytes(self.path, 8, length))
+        except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+            header = None
         if not isinstance(header, dict):
-            reason = ("its header is not a JSON object" if length <= size - 8 else f"it has {size} bytes" if size < 8
-                      else f"its first 8 bytes give a header of {length} bytes, longer than the file ({size} bytes)")
-            raise CheckpointError(f"{self.path} is not a safetensors file ({reason}); check the file")
+            raise CheckpointError(f"{self.path} is not a safetensors file (its header is not a JSON object); "
+                                  "check the file")
         header.pop("__metadata__", None)
         self._data_start = 8 + length
         self._entries = header

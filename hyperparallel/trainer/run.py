@@ -90,16 +90,12 @@ def check_output(cfg: Config, overwrite: bool) -> str:
         return "fresh"
     from hyperparallel.trainer.state import latest_checkpoint
 
-    if not cfg.checkpoint.resume:
-        raise ConfigError(
-            f"output.dir: {out} already holds a run ({', '.join(p.name for p in outputs)}) and "
-            "checkpoint.resume is false; pass --overwrite to replace it, or set output.dir to a new directory"
-        )
-    if latest_checkpoint(out / "checkpoints"):
+    if cfg.checkpoint.resume and latest_checkpoint(out / "checkpoints"):
         return "resume"
+    why = "nothing to resume from" if cfg.checkpoint.resume else "checkpoint.resume is false"
     raise ConfigError(
-        f"output.dir: {out} already holds a run ({', '.join(p.name for p in outputs)}) "
-        f"and nothing to resume from; pass --overwrite to replace it, or set output.dir to a new directory"
+        f"output.dir: {out} already holds a run ({', '.join(p.name for p in outputs)}) and {why}; "
+        "pass --overwrite to replace it, or set output.dir to a new directory"
     )
 
 
