@@ -101,22 +101,43 @@ class SafetensorsFile:
         self._entries = header
         self.names = list(header)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape, from the header (nothing is read)."""
+        return tuple(self._entries[name]["shape"])
+
+    def _located(self, name: str) -> tuple[torch.dtype, list[int], int]:
+        """Tensor ``name``'s dtype, shape and first byte in the file, its entry checked against its bytes."""
+        info = self._entries[name]
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+        begin, end = info["data_offsets"]
+        nbytes = dtype.itemsize * torch.Size(shape).numel()
+        if end - begin != nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {shape}")
+        return dtype, shape, self._data_start + begin
+
     def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (default: all), in new CPU tensors, read with ``HP_CKPT_THREADS`` threads."""
         tensors, requests = {}, []
         for name in self.names if names is None else names:
-            info = self._entries[name]
-            if info["dtype"] not in _DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
-            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
-            begin, end = info["data_offsets"]
-            if end - begin != tensor.nbytes:
-                raise CheckpointError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {info['shape']}")
-            tensors[name] = tensor
+            dtype, shape, start = self._located(name)
+            tensors[name] = tensor = torch.empty(shape, dtype=dtype)
             if tensor.nbytes:
-                requests.append((self.path, self._data_start + begin, tensor))
+                requests.append((self.path, start, tensor))
         _C.ckpt_read_into(requests, io_threads())
         return tensors
+
+    def read_rows(self, name: str, begin: int, end: int) -> torch.Tensor:
+        """Rows ``begin:end`` (along dim 0) of tensor ``name``: only their bytes are read, as a
+        rank does for its shard of a parameter."""
+        dtype, shape, start = self._located(name)
+        if not shape or not 0 <= begin <= end <= shape[0]:
+            raise ValueError(f"{self.path}: tensor {name} of shape {shape} has no rows {begin}:{end}")
+        tensor = torch.empty([end - begin, *shape[1:]], dtype=dtype)
+        if tensor.nbytes:
+            _C.ckpt_read_into([(self.path, start + begin * (tensor.nbytes // (end - begin)), tensor)], io_threads())
+        return tensor
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hyperparallel.checkpoint import hf
 
@@ -49,10 +51,27 @@ def _check_config(model: nn.Module, directory: Path) -> None:
             raise ValueError(f"{path} has {field}={saved[field]}, the model {getattr(config, field)}")
 
 
+def _rows(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What a load writes into for model tensor ``tensor``, and the first row of the whole it holds:
+    the tensor itself from row 0, or a DTensor's local shard and its offset along dim 0."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    local = tensor.to_local()
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(shape[1:]) != tuple(tensor.shape[1:]):
+        raise ValueError(
+            f"load_pretrained: {name} is sharded as {tensor.placements}; it fills shards split along dim 0 "
+            "(hp.fully_shard's and FSDP2's default), or whole tensors"
+        )
+    return local, offset[0]
+
+
 class _Target:
     """The model's tensors by name, and which of them (or which expert rows) the checkpoint covered.
 
-    Coverage is kept per tensor object, so tied weights are filled through either name.
+    Coverage is kept per tensor object, so tied weights are filled through either name. A
+    sharded parameter (a DTensor split along dim 0, as ``hp.fully_shard`` and FSDP2 keep them)
+    counts as covered when the checkpoint has it whole; only this rank's rows are read and copied.
     """
 
     def __init__(self, model: nn.Module):
@@ -71,31 +90,30 @@ class _Target:
         stripped = key.removeprefix("model.")
         return stripped if stripped in self.tensors else None
 
-    def assign(self, key: str, read) -> bool:
+    def assign(self, key: str, shard: hf.SafetensorsFile) -> bool:
         expert = hf.expert_key(key)
         name = self.name(expert.stacked if expert else key)
         if name is None:
             return False
+        tensor = self.tensors[name]
+        local, first = _rows(name, tensor)
         if expert is None:
-            tensor = read()
-            if tensor.shape != self.tensors[name].shape:
-                raise ValueError(
-                    f"{key} is {tuple(tensor.shape)}; the model's {name} is {tuple(self.tensors[name].shape)}"
-                )
-            self.tensors[name].copy_(tensor)
-            self.filled[id(self.tensors[name])].add(None)
+            if shard.shape(key) != tuple(tensor.shape):
+                raise ValueError(f"{key} is {shard.shape(key)}; the model's {name} is {tuple(tensor.shape)}")
+            if local is tensor:
+                local.copy_(shard.read([key])[key])
+            elif local.shape[0]:
+                local.copy_(shard.read_rows(key, first, first + local.shape[0]))
+            self.filled[id(tensor)].add(None)
             return True
-        fused = self.tensors[name]
-        if expert.index >= fused.shape[0]:
-            raise ValueError(f"{key}: expert {expert.index} does not exist; the model has {fused.shape[0]}")
-        target = hf.expert_rows(fused, expert)
-        tensor = read()
-        if tensor.shape != target.shape:
-            raise ValueError(
-                f"{key} is {tuple(tensor.shape)}; expected {tuple(target.shape)} for {name}[{expert.index}]"
-            )
-        target.copy_(tensor)
-        self.filled[id(fused)].add((expert.index, expert.part))
+        if expert.index >= tensor.shape[0]:
+            raise ValueError(f"{key}: expert {expert.index} does not exist; the model has {tensor.shape[0]}")
+        expected = tuple(hf.expert_rows(torch.empty(tensor.shape, device="meta"), expert).shape)
+        if shard.shape(key) != expected:
+            raise ValueError(f"{key} is {shard.shape(key)}; expected {expected} for {name}[{expert.index}]")
+        if first <= expert.index < first + local.shape[0]:  # an expert of this rank's rows
+            hf.expert_rows(local, expert._replace(index=expert.index - first)).copy_(shard.read([key])[key])
+        self.filled[id(tensor)].add((expert.index, expert.part))
         return True
 
     def missing(self) -> list[str]:
@@ -122,11 +140,14 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     transformers 5.x; stacked tensors load as they are. Values are copied
     into the existing parameters (converting dtype), so a patched model, or one
     whose parameters were swapped for views into shared memory, keeps its
-    tensors. Tied weights are filled through either name.
+    tensors. Tied weights are filled through either name. In a sharded model
+    (``hp.fully_shard`` or FSDP2, e.g. built on the meta device) each rank
+    reads and copies only its own rows of every parameter: the whole model is
+    never in one rank's memory.
 
     Args:
         model: a (patched or not) Qwen3 / Qwen3-MoE model, or any HF model with
-            matching parameter names.
+            matching parameter names; whole, or sharded along dim 0.
         directory: the checkpoint directory.
         strict: raise if a parameter is left unfilled or a checkpoint tensor
             has no parameter.
@@ -151,7 +172,7 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
         for path in hf.shard_files(directory):
             shard = hf.SafetensorsFile(path)
             for key in shard.names:
-                if not target.assign(key, lambda key=key, shard=shard: shard.read([key])[key]):
+                if not target.assign(key, shard):
                     unexpected.append(key)
     result = LoadResult(target.missing(), unexpected)
     if strict and (result.missing_keys or result.unexpected_keys):

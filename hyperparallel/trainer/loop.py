@@ -58,11 +58,8 @@ class Trainer:
             # trace makes one). Before the model: its build seeds the generators afresh.
             self.estimate_bytes = estimate_lib.allocated_or_none(cfg, self.world)
         mesh = model_lib.build_mesh(self.device.type)
-        self.model = model_lib.build(cfg, device=self.device)
+        self.model = model_lib.build_sharded(cfg, mesh, self.device)
         self.params = model_lib.count_params(self.model)
-        if cfg.model.activation_checkpointing:
-            model_lib.checkpoint_layers(self.model)
-        model_lib.shard(self.model, cfg, mesh)
         self.optimizers = optim_lib.build(self.model, cfg)
         self.loader = TokenLoader(
             cfg.data.tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import checkpoint
 
 from hyperparallel.trainer.config import Config, ConfigError
@@ -44,22 +46,44 @@ def hf_config(cfg: Config):
 def build(
     cfg: Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, weights: bool = True
 ) -> nn.Module:
-    """The causal LM, fp32, unsharded: fresh weights from ``model.seed``, or ``model.pretrained``'s.
+    """The causal LM, unsharded: fresh weights from ``model.seed`` (:func:`init_weights`), or
+    ``model.pretrained``'s; patched with the fused modules if ``model.patch``.
 
     ``device="meta"`` or ``weights=False`` builds shapes only, without reading
     ``model.pretrained`` (the dry-run estimate); ``dtype`` is for such shape-only
-    models too (training keeps fp32 weights).
+    models too (training keeps fp32 weights). The weights are those :func:`build_sharded`
+    gives the same config at any world size.
     """
+    if str(device) == "meta" or not weights:
+        return _skeleton(cfg, dtype, device)
+    model = _skeleton(cfg, dtype, "meta")
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own tensor where two shared one
+    _fill(model, cfg)
+    return model
+
+
+def build_sharded(cfg: Config, mesh, device: torch.device) -> nn.Module:
+    """The causal LM as the trainer runs it: built on the meta device, activation checkpointing
+    if asked, :func:`shard`, then each rank fills only its own rows (:func:`init_weights`, or
+    ``model.pretrained``'s rows read from its files). No rank ever holds the whole model, so the
+    model may be as large as the job's memory, not one rank's."""
+    model = _skeleton(cfg, torch.float32, "meta")
+    if cfg.model.activation_checkpointing:
+        checkpoint_layers(model)
+    shard(model, cfg, mesh)
+    model.to_empty(device=device)  # the buffers; the shards already have their memory
+    _fill(model, cfg)
+    return model
+
+
+def _skeleton(cfg: Config, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """The model with transformers' constructors' weights (none on the meta device), patched if
+    ``model.patch``, in training mode."""
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(cfg)
-    torch.manual_seed(cfg.model.seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    if cfg.model.pretrained is not None and weights and str(device) != "meta":
-        import hyperparallel.nn as hpnn
-
-        hpnn.load_pretrained(model, cfg.model.pretrained)
+        model = AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="sdpa", dtype=dtype)
     if cfg.model.patch:
         import hyperparallel.nn as hpnn
 
@@ -67,6 +91,64 @@ def build(
             warnings.simplefilter("ignore")  # unpatched modules are listed by the plan instead
             hpnn.patch(model)
     return model.train()
+
+
+def _fill(model: nn.Module, cfg: Config) -> None:
+    """Fresh weights from ``model.seed``, or ``model.pretrained``'s (then only what a checkpoint
+    does not hold is initialised: the non-persistent buffers, e.g. RoPE's frequencies)."""
+    if cfg.model.pretrained is None:
+        init_weights(model, cfg.model.seed)
+        return
+    import hyperparallel.nn as hpnn
+
+    init_weights(model, cfg.model.seed, parameters=False)
+    hpnn.load_pretrained(model, cfg.model.pretrained)
+
+
+def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> None:
+    """HF's initialisation of ``model`` (its ``_init_weights``, module by module in HF's order:
+    children first), drawn from ``seed``; the values do not depend on the world size.
+
+    A sharded parameter (DTensor) is drawn whole, one module's at a time, and keeps its own rows.
+    Every floating-point tensor is NaN before its module's init, and one still NaN after it is
+    an error: a model whose ``_init_weights`` leaves something unset (on the meta device it would
+    hold garbage) needs ``model.pretrained``. ``parameters=False`` initialises only the modules
+    with non-persistent buffers, which no checkpoint holds.
+    """
+    from transformers import PreTrainedModel
+
+    torch.manual_seed(seed)
+    persistent = set(model.state_dict(keep_vars=True))
+
+    def visit(module: nn.Module, prefix: str, owner: PreTrainedModel) -> None:
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.", child if isinstance(child, PreTrainedModel) else owner)
+        buffers = {n: b for n, b in module._buffers.items() if b is not None}
+        if not parameters and all(prefix + n in persistent for n in buffers):
+            return
+        sharded = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        for name, param in sharded.items():
+            module._parameters[name] = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device), requires_grad=False
+            )
+        tensors = {n: t for n, t in [*module._parameters.items(), *buffers.items()] if t is not None}
+        for tensor in tensors.values():
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+        owner._init_weights(module)
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and tensor.isnan().any():
+                raise ConfigError(
+                    f"{type(owner).__name__}._init_weights leaves {prefix}{name} unset; start from weights "
+                    "instead (model.pretrained)"
+                )
+        for name, param in sharded.items():
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            param.to_local().copy_(tensors[name][tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+            module._parameters[name] = param
+
+    with torch.no_grad():
+        visit(model, "", model)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -53,3 +53,16 @@ def test_a_missing_expert_weight_is_named(tmp_path):
         hf.fuse_experts(tensors)
     with pytest.raises(FileNotFoundError, match="pass an HF model directory"):
         hf.shard_files(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+def test_rows_are_read_alone(tmp_path, dtype):
+    """What a rank reads for its shard: rows begin:end of a tensor, any of them, none included."""
+    tensor = (torch.arange(7 * 3 * 5) % 251).reshape(7, 3, 5).to(dtype)
+    hf.write_safetensors({"a": torch.ones(2, dtype=dtype), "t": tensor}, tmp_path / "x.safetensors")
+    file = hf.SafetensorsFile(tmp_path / "x.safetensors")
+    assert file.shape("t") == (7, 3, 5)
+    for begin, end in [(0, 7), (0, 4), (4, 7), (3, 3), (6, 7)]:
+        assert torch.equal(file.read_rows("t", begin, end), tensor[begin:end]), (begin, end)
+    with pytest.raises(ValueError, match="no rows 5:8"):
+        file.read_rows("t", 5, 8)

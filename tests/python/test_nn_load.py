@@ -98,3 +98,53 @@ def test_mismatches_are_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="num_experts=8"):
         hpnn.load_pretrained(target, tmp_path)
+
+
+def load_into_sharded(directory: str, stacked_directory: str) -> dict:
+    """One rank's model built on the meta device, sharded by hp.fully_shard (and one by torch's
+    FSDP2), then loaded: each parameter's whole, gathered from the ranks' rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import hyperparallel as hp
+
+    torch.set_num_threads(1)
+    hp.comm.init()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    config = Qwen3MoeConfig.from_pretrained(directory)
+    gathered = {}
+    for label, shard, source in [("hp", hp.fully_shard, directory), ("hp-stacked", hp.fully_shard, stacked_directory),
+                                 ("torch", torch_fully_shard, directory)]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        hpnn.patch(model)
+        for layer in model.model.layers:
+            shard(layer, mesh=mesh)
+        shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        assert hpnn.load_pretrained(model, source) == hpnn.LoadResult([], [])
+        gathered[label] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        rows = model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape[0]
+        assert rows == (2 if dist.get_rank() == 0 else 1)  # 3 experts over 2 ranks
+    return gathered
+
+
+def test_sharded_models_load_their_rows(tmp_path):
+    """A model too large for one rank is built on the meta device and sharded; each rank then reads
+    only its rows of every tensor (its experts of a per-expert checkpoint). Uneven sizes: 3 experts
+    and 63 token rows over 2 ranks."""
+    from hyperparallel.launch import run
+
+    config = Qwen3MoeConfig(**{**MOE, "num_experts": 3, "vocab_size": 63})
+    source = model_from(config, seed=9)
+    source.save_pretrained(tmp_path / "per-expert", max_shard_size="20KB")
+    (tmp_path / "stacked").mkdir()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "stacked" / "model.safetensors")
+    config.save_pretrained(tmp_path / "stacked")
+    expected = source.state_dict()
+    for gathered in run(load_into_sharded, nproc=2, args=(str(tmp_path / "per-expert"), str(tmp_path / "stacked"))).values():
+        for label, state in gathered.items():
+            assert state.keys() == expected.keys(), label
+            for key, value in expected.items():
+                assert torch.equal(state[key], value), (label, key)

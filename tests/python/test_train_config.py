@@ -296,3 +296,57 @@ def test_progress_ends_at_stop_at(capsys):
     progress.close()
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == ["1/400", "10/400", "20/400", "30/400", "40/400", "45/400"]
+
+
+def sharded_build(overrides_list: list[list[str]]) -> list[dict]:
+    """The trainer's model on this rank (built on the meta device, sharded, each rank filling its
+    rows), gathered whole, for each list of config overrides."""
+    import torch.distributed as dist
+
+    import hyperparallel as hp
+    from hyperparallel.trainer import model as model_lib
+
+    torch.set_num_threads(1)
+    hp.comm.init()
+    states = []
+    for overrides in overrides_list:
+        cfg = load_config(DEFAULT, overrides)
+        model = model_lib.build_sharded(cfg, model_lib.build_mesh("cpu"), torch.device("cpu"))
+        assert model.model.embed_tokens.weight.to_local().shape[0] < model.config.vocab_size
+        states.append({
+            **{k: v.full_tensor() for k, v in model.state_dict().items()},
+            **{k: v.clone() for k, v in model.named_buffers()},
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        })
+        dist.barrier()
+    return states
+
+
+def test_sharded_build_is_the_whole_build_at_any_world_size(tmp_path):
+    """The trainer builds its model on the meta device and each rank fills only its own rows, fresh
+    (HF's init from model.seed) or from model.pretrained: the same weights (and RoPE buffers) as the
+    whole model built in one process. Also a dense Qwen3 with tied embeddings."""
+    from hyperparallel.launch import run
+    from hyperparallel.trainer import model as model_lib
+
+    config = json.loads((REPO / "examples/tiny-moe.config.json").read_text())
+    dense = {k: v for k, v in config.items() if "expert" not in k and k not in ("router_aux_loss_coef", "output_router_logits")}
+    (tmp_path / "tied.json").write_text(json.dumps({**dense, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                                                    "tie_word_embeddings": True}))
+    model_lib.build(load_config(DEFAULT, ["model.seed=7"])).save_pretrained(tmp_path / "hf")
+    variants = [
+        ["model.seed=3", "model.activation_checkpointing=true", "model.mixed_precision=bfloat16"],
+        ["model.config=null", f"model.pretrained={tmp_path / 'hf'}"],
+        [f"model.config={tmp_path / 'tied.json'}"],
+    ]
+    wholes = []
+    for overrides in variants:
+        whole = model_lib.build(load_config(DEFAULT, overrides))
+        wholes.append({**whole.state_dict(), **dict(whole.named_buffers()),
+                       "tied": whole.lm_head.weight is whole.model.embed_tokens.weight})
+    assert wholes[2]["tied"] and not wholes[0]["tied"]
+    for states in run(sharded_build, nproc=2, args=(variants,)).values():
+        for overrides, state, whole in zip(variants, states, wholes):
+            assert state.keys() == whole.keys(), overrides
+            for key, value in whole.items():
+                assert value == state[key] if key == "tied" else torch.equal(value, state[key]), (overrides, key)
