@@ -167,7 +167,7 @@ class Trainer:
         records: list[dict[str, Any]] = []
         saved: Path | None = None
         t_loop = time.perf_counter()
-        if self.device.type == "cuda":  # the steps' peaks, not the set-up's (the model is built whole)
+        if self.device.type == "cuda":  # the steps' peaks, not the set-up's (a group's full size while sharding it)
             torch.cuda.reset_peak_memory_stats(self.device)
         while self.step < self.stop:
             record = self.train_step()
