@@ -16,7 +16,7 @@ Example::
 """
 
 from hyperparallel.checkpoint._api import AsyncSave, async_save, load, save, verify
-from hyperparallel.checkpoint._storage import CheckpointError
+from hyperparallel.checkpoint._storage import CheckpointError, CheckpointMismatchError
 from hyperparallel.checkpoint.manager import CheckpointManager
 
-__all__ = ["AsyncSave", "CheckpointError", "CheckpointManager", "async_save", "load", "save", "verify"]
+__all__ = ["AsyncSave", "CheckpointError", "CheckpointManager", "CheckpointMismatchError", "async_save", "load", "save", "verify"]

@@ -27,13 +27,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from hyperparallel import _C
 from hyperparallel import comm as hp_comm
 from hyperparallel._log import log
-from hyperparallel.checkpoint._storage import CheckpointError, Reader, Writer, io_threads
+from hyperparallel.checkpoint._storage import (
+    CheckpointError,
+    CheckpointMismatchError,
+    Reader,
+    Writer,
+    io_threads,
+)
 
 MANIFEST = ".checksums.json"
 METADATA = ".metadata"
@@ -292,6 +300,28 @@ def _verify_share(path: Path, rank: int, world: int) -> str | None:
     return None
 
 
+def _check_fits(state_dict: dict[str, Any], path: Path) -> None:
+    """Checkpoint ``path`` holds every key of ``state_dict`` (flattened as DCP does), each tensor
+    with its shape; else a :class:`CheckpointMismatchError` naming them, the same on every rank."""
+    saved = Reader(path).read_metadata().state_dict_metadata
+    missing, differ = [], []
+    for key, value in flatten_state_dict(state_dict)[0].items():
+        entry = saved.get(key)
+        if entry is None:
+            missing.append(key)
+        elif isinstance(value, torch.Tensor):
+            there = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "not a tensor"
+            if there != tuple(value.shape):
+                differ.append(f"{key} is {there} there, {tuple(value.shape)} here")
+    if missing or differ:
+        parts = []
+        if missing:
+            parts.append(f"it lacks {len(missing)} keys ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        if differ:
+            parts.append(f"{len(differ)} tensors differ in shape ({'; '.join(differ[:3])}{'; ...' if len(differ) > 3 else ''})")
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit the state loaded into it: {' and '.join(parts)}")
+
+
 def _resaved(path: Path, manifest_path: Path) -> str:
     return (
         f"checkpoint {path}: {METADATA} is newer than {MANIFEST} and does not match it: saved again by "
@@ -320,6 +350,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
     group, _, _ = _group(process_group)
     path = Path(path).absolute()
     verify(path, process_group=process_group)
+    _check_fits(state_dict, path)
     try:
         with _quiet(group):
             dcp.load(state_dict, storage_reader=Reader(path), process_group=group, no_dist=group is None)

@@ -37,6 +37,11 @@ class CheckpointError(Exception):
     key at fault and what to do about it."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint is sound but does not fit the state loaded into it: keys it lacks, or
+    tensors of other shapes (another model, optimizer or configuration)."""
+
+
 def io_threads() -> int:
     """Threads per rank reading and verifying checkpoint files (``HP_CKPT_THREADS``, default 4)."""
     return max(1, int(os.environ.get("HP_CKPT_THREADS", "4")))

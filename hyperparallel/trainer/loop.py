@@ -83,9 +83,7 @@ class Trainer:
         loaded = state_lib.full_state(self.model, self.optimizers, state_lib.trainer_state(0, self.loader, self.cfg_dict))
         try:
             found = self.manager.load_latest(loaded)
-        except hp.checkpoint.CheckpointError as error:
-            if not any(sign in str(error) for sign in ("Size mismatch", "Missing key", "Unexpected key")):
-                raise
+        except hp.checkpoint.CheckpointMismatchError as error:
             raise hp.checkpoint.CheckpointError(
                 f"{self.manager.latest()} holds another model or optimizer than this config's ({error}); to start "
                 "afresh pass --overwrite, or set output.dir to a new directory"

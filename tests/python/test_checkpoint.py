@@ -106,8 +106,14 @@ def test_partial_loads_and_blocks(tmp_path):
     got = {"w": torch.zeros(33, 7), "step": None}
     ckpt.load(got, tmp_path / "c")
     assert torch.equal(got["w"], state["w"]) and got["step"] == 3
-    with pytest.raises(ckpt.CheckpointError, match="w"):
+    # A state the checkpoint does not fit: named key by key, before anything is read.
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"1 tensors differ in shape \(w is \(33, 7\) there, "
+                       r"\(32, 7\) here\)$"):
         ckpt.load({"w": torch.zeros(32, 7)}, tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"it lacks 2 keys \(extra, nested.x\) and 1 tensors "
+                       r"differ in shape \(step is not a tensor there"):
+        ckpt.load({"w": torch.zeros(33, 7), "step": torch.zeros(1), "extra": 1, "nested": {"x": torch.zeros(2)}},
+                  tmp_path / "c")
 
 
 def test_overwrite_keeps_old_until_new_is_complete(tmp_path):
