@@ -123,6 +123,8 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                if p.numel() == 0:
+                    continue  # nothing to update, as with torch (which divides by zero on an empty column)
                 params.append(p)
                 grads.append(p.grad)
                 buffers.append(state["momentum_buffer"])

@@ -55,6 +55,18 @@ def test_updates_equal_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     _step_both(range(4), theirs, ours, torch.optim.Muon(theirs, **kwargs), hpo.Muon(ours, **kwargs))
 
 
+def test_empty_matrices_are_left_as_torch_muon_leaves_them():
+    """A matrix with no rows gets its (empty) momentum and no update, beside the others, as with
+    torch; one with no columns too, where torch divides by zero."""
+    theirs, ours = _params([(0, 5), *SHAPES[:2]], 0), _params([(0, 5), *SHAPES[:2]], 0)
+    _step_both(range(2), theirs, ours, torch.optim.Muon(theirs), hpo.Muon(ours))
+    empty = nn.Parameter(torch.zeros(5, 0))
+    empty.grad = torch.zeros(5, 0)
+    optimizer = hpo.Muon([empty, ours[1]])
+    optimizer.step()
+    assert optimizer.state[empty]["momentum_buffer"].shape == (5, 0)
+
+
 def test_bfloat16_parameters_follow_torch_muon():
     # Not fp32: the momentum and the update take ATen's ops instead of the
     # one-pass kernels. Within one bfloat16 ulp of the parameters' size.
