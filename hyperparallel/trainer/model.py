@@ -109,46 +109,93 @@ def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> Non
     """HF's initialisation of ``model`` (its ``_init_weights``, module by module in HF's order:
     children first), drawn from ``seed``; the values do not depend on the world size.
 
-    A sharded parameter (DTensor) is drawn whole, one module's at a time, and keeps its own rows.
-    Every floating-point tensor is NaN before its module's init, and one still NaN after it is
-    an error: a model whose ``_init_weights`` leaves something unset (on the meta device it would
-    hold garbage) needs ``model.pretrained``. ``parameters=False`` initialises only the modules
-    with non-persistent buffers, which no checkpoint holds.
+    The parameters of each ``hp.fully_shard`` group (a decoder layer, the root's own) are drawn
+    whole while HF initialises the group's modules, then each rank keeps its rows: no rank holds
+    more than the root's group and one layer's at a time. Tied weights are drawn once, as their
+    source (HF ties after initialising). Every floating-point tensor is NaN until initialised;
+    one still NaN afterwards, or a group's parameter written after its group was done (by a
+    parent's ``_init_weights``), is an error rather than garbage or rank-dependent values.
+    ``parameters=False`` initialises only the non-persistent buffers, which no checkpoint holds
+    (and, for them, the modules above theirs).
     """
     from transformers import PreTrainedModel
 
+    import hyperparallel as hp
+
     torch.manual_seed(seed)
     persistent = set(model.state_dict(keep_vars=True))
+    volatile = {name for name, _ in model.named_buffers() if name not in persistent}
+    # parameters=False: the modules holding such buffers, and those above them.
+    chosen = None if parameters else {
+        ".".join(parts[:i]) for parts in (name.split(".") for name in volatile) for i in range(len(parts))}
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    # The plain tensors to check: every one, or the non-persistent buffers.
+    plain = {name: t for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+             if not isinstance(t, DTensor) and t.is_floating_point() and (parameters or name in volatile)}
+    done = {}  # id -> (name, sharded parameter, its version) of the groups done
+
+    def swap_in(unit: nn.Module, prefix: str) -> dict:
+        """The unit's group's sharded parameters replaced by whole NaN tensors (nested groups keep
+        theirs): id -> (name, sharded parameter, whole tensor, its owners)."""
+        drawn = {}
+        stack = [(unit, prefix)]
+        while stack:
+            module, at = stack.pop()
+            for name, param in module._parameters.items():
+                if isinstance(param, DTensor):
+                    if id(param) not in drawn:
+                        whole = torch.full(param.shape, float("nan"), dtype=param.dtype, device=param.to_local().device)
+                        drawn[id(param)] = (at + name, param, whole, [])
+                    drawn[id(param)][3].append((module, name))
+                    module._parameters[name] = drawn[id(param)][2]
+            stack += [(child, f"{at}{n}.") for n, child in module.named_children()
+                      if not isinstance(child, hp.FSDPModule)]
+        return drawn
+
+    def swap_out(drawn: dict, owner: nn.Module) -> None:
+        """Each rank keeps its rows of the whole tensors; the sharded parameters go back."""
+        for name, param, whole, owners in drawn.values():
+            if whole.is_floating_point() and whole.isnan().any():
+                raise ConfigError(f"{type(owner).__name__}._init_weights leaves {name} unset; the trainer cannot "
+                                  "draw fresh weights for this model: start from weights (model.pretrained)")
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            param.to_local().copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+            for module, attr in owners:
+                module._parameters[attr] = param
+            done[id(param)] = (name, param, param._version)
 
     def visit(module: nn.Module, prefix: str, owner: PreTrainedModel) -> None:
+        drawn = swap_in(module, prefix) if parameters and isinstance(module, hp.FSDPModule) else None
         for name, child in module.named_children():
             visit(child, f"{prefix}{name}.", child if isinstance(child, PreTrainedModel) else owner)
-        buffers = {n: b for n, b in module._buffers.items() if b is not None}
-        if not parameters and all(prefix + n in persistent for n in buffers):
-            return
-        sharded = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-        for name, param in sharded.items():
-            module._parameters[name] = nn.Parameter(
-                torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device), requires_grad=False
-            )
-        tensors = {n: t for n, t in [*module._parameters.items(), *buffers.items()] if t is not None}
-        for tensor in tensors.values():
-            if tensor.is_floating_point():
-                tensor.fill_(float("nan"))
-        owner._init_weights(module)
-        for name, tensor in tensors.items():
-            if tensor.is_floating_point() and tensor.isnan().any():
-                raise ConfigError(
-                    f"{type(owner).__name__}._init_weights leaves {prefix}{name} unset; start from weights "
-                    "instead (model.pretrained)"
-                )
-        for name, param in sharded.items():
-            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            param.to_local().copy_(tensors[name][tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-            module._parameters[name] = param
+        if chosen is None or prefix.rstrip(".") in chosen:
+            # A tied weight's target (lm_head.weight) is left to its source, as HF's init does.
+            skipped = [t for n, t in module._parameters.items()
+                       if t is not None and prefix + n in tied and not hasattr(t, "_is_hf_initialized")]
+            for tensor in skipped:
+                tensor._is_hf_initialized = True
+            owner._init_weights(module)
+            for tensor in skipped:
+                del tensor._is_hf_initialized
+        if drawn is not None:
+            swap_out(drawn, owner)
 
     with torch.no_grad():
+        for tensor in plain.values():
+            tensor.fill_(float("nan"))
         visit(model, "", model)
+    for name, tensor in plain.items():
+        if tensor.isnan().any():
+            if name in volatile:
+                raise ConfigError(f"{type(model).__name__}._init_weights leaves {name} unset, which no checkpoint "
+                                  "holds (a non-persistent buffer): the trainer cannot build this model")
+            raise ConfigError(f"{type(model).__name__}._init_weights leaves {name} unset; the trainer cannot draw "
+                              "fresh weights for this model: start from weights (model.pretrained)")
+    for name, param, version in done.values():
+        if param._version != version:
+            raise ConfigError(f"{type(model).__name__}._init_weights writes {name} from a module above its "
+                              "hp.fully_shard group; the trainer cannot draw it the same at every world size: "
+                              "start from weights (model.pretrained)")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -312,11 +312,11 @@ def sharded_build(overrides_list: list[list[str]]) -> list[dict]:
     for overrides in overrides_list:
         cfg = load_config(DEFAULT, overrides)
         model = model_lib.build_sharded(cfg, model_lib.build_mesh("cpu"), torch.device("cpu"))
-        assert model.model.embed_tokens.weight.to_local().shape[0] < model.config.vocab_size
+        assert model.get_input_embeddings().weight.to_local().shape[0] < model.config.vocab_size
         states.append({
             **{k: v.full_tensor() for k, v in model.state_dict().items()},
             **{k: v.clone() for k, v in model.named_buffers()},
-            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
         })
         dist.barrier()
     return states
@@ -325,7 +325,11 @@ def sharded_build(overrides_list: list[list[str]]) -> list[dict]:
 def test_sharded_build_is_the_whole_build_at_any_world_size(tmp_path):
     """The trainer builds its model on the meta device and each rank fills only its own rows, fresh
     (HF's init from model.seed) or from model.pretrained: the same weights (and RoPE buffers) as the
-    whole model built in one process. Also a dense Qwen3 with tied embeddings."""
+    whole model built in one process. Also a dense Qwen3 with tied embeddings (drawn once, as HF
+    does: the padding row stays zero), and a Nemotron-H whose mamba mixer's init draws again into
+    its child's weight (its layer's parameters are whole until the layer is done)."""
+    from transformers import NemotronHConfig
+
     from hyperparallel.launch import run
     from hyperparallel.trainer import model as model_lib
 
@@ -334,17 +338,23 @@ def test_sharded_build_is_the_whole_build_at_any_world_size(tmp_path):
     (tmp_path / "tied.json").write_text(json.dumps({**dense, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
                                                     "tie_word_embeddings": True}))
     model_lib.build(load_config(DEFAULT, ["model.seed=7"])).save_pretrained(tmp_path / "hf")
+    NemotronHConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16, chunk_size=16,
+                    layers_block_type=["linear_attention", "mlp"], vocab_size=257, max_position_embeddings=128,
+                    use_mamba_kernels=False).save_pretrained(tmp_path / "nemotron")
     variants = [
         ["model.seed=3", "model.activation_checkpointing=true", "model.mixed_precision=bfloat16"],
         ["model.config=null", f"model.pretrained={tmp_path / 'hf'}"],
         [f"model.config={tmp_path / 'tied.json'}"],
+        ["model.patch=false", f"model.config={tmp_path / 'nemotron' / 'config.json'}"],
     ]
     wholes = []
     for overrides in variants:
         whole = model_lib.build(load_config(DEFAULT, overrides))
         wholes.append({**whole.state_dict(), **dict(whole.named_buffers()),
-                       "tied": whole.lm_head.weight is whole.model.embed_tokens.weight})
+                       "tied": whole.get_output_embeddings().weight is whole.get_input_embeddings().weight})
     assert wholes[2]["tied"] and not wholes[0]["tied"]
+    assert not wholes[2]["model.embed_tokens.weight"][0].any()  # pad_token_id 0
     for states in run(sharded_build, nproc=2, args=(variants,)).values():
         for overrides, state, whole in zip(variants, states, wholes):
             assert state.keys() == whole.keys(), overrides
