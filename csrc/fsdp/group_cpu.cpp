@@ -59,7 +59,8 @@ class CpuParamGroup : public ParamGroup {
   void release() override;
 
  private:
-  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale);
+  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale,
+                  bool all_reduce);
 
   std::shared_ptr<Context> context_;
   std::shared_ptr<comm::Communicator> communicator_;
@@ -186,10 +187,13 @@ void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   }
   const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
   const float scale = gradient_scale(communicator_->node().size() * replicas);
-  ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale] { run_reduce(grads, output, scale); });
+  ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale, all_reduce = requires_all_reduce()] {
+    run_reduce(grads, output, scale, all_reduce);
+  });
 }
 
-void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale) {
+void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale,
+                               bool all_reduce) {
   comm::NodeComm& node = communicator_->node();
   comm::Window& read = compute_ ? *compute_ : params_;
   comm::Window& window = grad_windows_.next();
@@ -227,8 +231,10 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   if (options_.replicate) {
     at::Tensor tail = output.narrow(0, shard_elems_, int64_t(any.size()));
     tail.copy_(at::from_blob(any.data(), {int64_t(any.size())}, at::TensorOptions().dtype(at::kByte)));
-    std::vector<at::Tensor> tensors{output};
-    options_.replicate->allreduce(tensors)->wait();
+    if (!all_reduce_across_nodes(output, *options_.replicate, all_reduce)) {
+      any_grad_.assign(any.size(), 0);  // held, flags included, until a backward that all-reduces
+      return;
+    }
     at::Tensor seen = tail.ne(0).to(at::kByte);  // a sum of 0s and 1s, non-zero where any node had one
     std::copy_n(seen.const_data_ptr<uint8_t>(), any.size(), any.begin());
   }

@@ -176,7 +176,8 @@ class CudaParamGroup : public ParamGroup {
  private:
   void allocate_full();
   void free_full();
-  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale);
+  void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale,
+                  bool all_reduce);
   // run_reduce's two ways: alone on the node (this rank's gradients are the
   // sum), or through a window every rank of the node reads.
   void reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output, float scale);
@@ -206,6 +207,7 @@ class CudaParamGroup : public ParamGroup {
   bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
   at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
   std::vector<bool> has_grad_;
+  std::vector<bool> held_grad_;  // which parameters the held HSDP sum has gradients of
   ReduceTicket ticket_ = 0;
 };
 
@@ -395,10 +397,13 @@ void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
     if (grad) impl.recordDataPtrOnStream(grad->storage().data_ptr(), state_.reduce_scatter);
   const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
   const float scale = gradient_scale(ranks() * replicas);
-  ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale] { run_reduce(grads, output, scale); });
+  ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale, all_reduce = requires_all_reduce()] {
+    run_reduce(grads, output, scale, all_reduce);
+  });
 }
 
-void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale) {
+void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale,
+                                bool all_reduce) {
   c10::DeviceGuard guard(device_);
   c10::StreamGuard on(state_.reduce_scatter);  // the ATen casts below run there too
   const StreamHandle stream = handle(state_.reduce_scatter);
@@ -409,8 +414,15 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
     reduce_window(grads, output, scale, stream);
   }
   if (options_.replicate) {
-    std::vector<at::Tensor> tensors{output};
-    options_.replicate->allreduce(tensors)->wait();
+    // has_grad_ is this rank's own (see gpu.md); a held reduction's count at the next one.
+    if (all_reduce_across_nodes(output, *options_.replicate, all_reduce)) {
+      for (std::size_t i = 0; i < held_grad_.size(); ++i) has_grad_[i] = has_grad_[i] || held_grad_[i];
+      held_grad_.clear();
+    } else {
+      held_grad_.resize(has_grad_.size(), false);
+      for (std::size_t i = 0; i < has_grad_.size(); ++i) held_grad_[i] = held_grad_[i] || has_grad_[i];
+      has_grad_.assign(has_grad_.size(), false);
+    }
   }
   reduced_at_.record(stream);
 }

@@ -38,6 +38,20 @@ void register_group_factory(c10::DeviceType type, GroupFactory factory) {
   factories()[type] = factory;
 }
 
+bool ParamGroup::all_reduce_across_nodes(at::Tensor& output, c10d::ProcessGroup& replicate, bool all_reduce) {
+  if (held_.defined()) {
+    output.add_(held_);
+    held_ = at::Tensor();
+  }
+  if (!all_reduce) {
+    held_ = output.clone();  // the output's memory may be handed out by a later reduction
+    return false;
+  }
+  std::vector<at::Tensor> tensors{output};
+  replicate.allreduce(tensors)->wait();
+  return true;
+}
+
 std::shared_ptr<ParamGroup> ParamGroup::create(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,
                                                GroupOptions options) {
   TORCH_CHECK(!params.empty(), "hyperparallel fully_shard: the module has no parameters to shard");

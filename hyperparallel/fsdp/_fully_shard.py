@@ -98,6 +98,15 @@ class FSDPModule:
         for state in _states(self, recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduces each backward's gradients within the node only and sums them, held
+        and sharded, without handing any out; the next backward with True all-reduces the sum
+        across nodes and hands it out (gradient accumulation without cross-node traffic until
+        the last micro-batch), as torch's. No effect on a 1-D mesh."""
+        for state in _states(self, recurse):
+            if state.core is not None:
+                state.core.set_requires_all_reduce(bool(requires_all_reduce))
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for state in _states(self, recurse):
             state.reshard_after_forward = bool(reshard_after_forward)

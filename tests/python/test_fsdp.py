@@ -51,19 +51,26 @@ def shard(model: nn.Module, how: str, mesh=None, **kwargs) -> nn.Module:
     return model
 
 
-def train(model: nn.Module, data: list[torch.Tensor], rank: int, world: int, accumulate: int = 1) -> list[float]:
-    """AdamW steps; each rank takes its rows of every global batch."""
+def train(model: nn.Module, data: list[torch.Tensor], rank: int, world: int, accumulate: int = 1,
+          across_nodes_last: bool = False) -> list[float]:
+    """AdamW steps; each rank takes its rows of every global batch. ``accumulate`` micro-batches
+    reduce only after the last one; with ``across_nodes_last`` (HSDP) they all reduce within the
+    node and only the last all-reduces across nodes (no gradient is handed out before)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for batch in data:
         mine = batch[rank * MICRO : (rank + 1) * MICRO]
         step_loss = 0.0
         for index, micro in enumerate(mine.chunk(accumulate)):
-            if accumulate > 1:  # reduce only after the last micro-batch
+            if across_nodes_last:
+                model.set_requires_all_reduce(index == accumulate - 1)
+            elif accumulate > 1:  # reduce only after the last micro-batch
                 model.set_requires_gradient_sync(index == accumulate - 1)
             loss = model(micro, labels=micro).loss / accumulate
             loss.backward()
             step_loss += loss.item()
+            if across_nodes_last and index < accumulate - 1:
+                assert all(p.grad is None for p in model.parameters())
         if world > 1:
             total = torch.tensor([step_loss])
             dist.all_reduce(total)
@@ -140,15 +147,19 @@ def hsdp() -> tuple:
                             mesh_dim_names=("replicate", "shard"))
     model = shard(make_model(), "hp", mesh=mesh)
     losses = train(model, batches(4), dist.get_rank(), 4)
-    return losses, full_params(model)
+    # Gradient accumulation that all-reduces across nodes once per step (set_requires_all_reduce).
+    held = shard(make_model(), "hp", mesh=mesh)
+    held_losses = train(held, batches(4), dist.get_rank(), 4, accumulate=2, across_nodes_last=True)
+    return (losses, full_params(model)), (held_losses, full_params(held))
 
 
 def test_hsdp_2x2_equals_fsdp_over_4():
     results = run(hsdp, nproc=2, nnodes=2)
     expected_losses, expected_params = single_process(world=4)
-    for losses, params in results.values():
-        assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
-        assert_params_close(params, expected_params, 1e-5)
+    for result in results.values():
+        for losses, params in result:
+            assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-5
+            assert_params_close(params, expected_params, 1e-5)
 
 
 # -- frozen, tied and unused parameters; gradient accumulation ------------------------------------

@@ -126,15 +126,30 @@ class ParamGroup {
   // (FSDP2's set_gradient_divide_factor); nullopt: by the number of ranks,
   // an average. From the next reduce() on.
   void set_gradient_divide_factor(std::optional<double> factor) { divide_factor_ = factor; }
+  // HSDP: false keeps each backward's node-reduced shard in a running sum
+  // instead of all-reducing it across nodes, and hands out no gradients; the
+  // next reduction made with true all-reduces the sum (FSDP2's
+  // set_requires_all_reduce: gradient accumulation that keeps the gradients
+  // sharded and the network idle until the last micro-batch). From the next
+  // reduce() on; no effect without replicas.
+  void set_requires_all_reduce(bool required) { requires_all_reduce_ = required; }
 
  protected:
   // What reduce() multiplies the sum over `ranks` ranks by.
   float gradient_scale(int ranks) const {
     return divide_factor_ ? float(1.0 / *divide_factor_) : 1.0f / float(ranks);
   }
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  // The HSDP end of a reduction, on the reducer thread: `output` (the node's
+  // reduced shard) plus the sum held from reductions without all-reduce,
+  // all-reduced over `replicate` when `all_reduce` (returns true), else held
+  // in that sum (returns false: there is nothing to hand out yet).
+  bool all_reduce_across_nodes(at::Tensor& output, c10d::ProcessGroup& replicate, bool all_reduce);
 
  private:
   std::optional<double> divide_factor_;
+  bool requires_all_reduce_ = true;
+  at::Tensor held_;  // the running sum of all_reduce_across_nodes (reducer thread only)
 };
 
 // How a device backend makes groups; a backend linked into the extension
