@@ -8,7 +8,7 @@ Example::
     hp.comm.all_reduce(t)
 """
 
-import importlib
+import importlib as _importlib
 
 from hyperparallel import comm, fsdp
 from hyperparallel._C import FabricError
@@ -25,5 +25,5 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return importlib.import_module(f"hyperparallel.{name}")
+        return _importlib.import_module(f"hyperparallel.{name}")
     raise AttributeError(f"module 'hyperparallel' has no attribute {name!r}")

@@ -122,6 +122,22 @@ class FSDPModule:
         if self._hp_state.core is not None:
             self._hp_state.core.set_gradient_divide_factor(float(factor))
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for compatibility (pipeline schedules call it): hp ends every backward as
+        torch ends the last one, waiting for its reductions and handing the gradients out."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted for compatibility: the full parameters are back for every backward (on the
+        CPU a wait on memory that stayed; on a GPU a pull), which is never wrong."""
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted for compatibility: hp always reduces every parameter, with zeros from the
+        ranks without a gradient, so ranks whose inputs take different branches never mismatch."""
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Accepted for compatibility. On the CPU every group's rows are posted when the root's
         forward starts, so each unshard is a wait on data that is there; on a GPU each group

@@ -419,12 +419,19 @@ def corner_cases() -> dict:
     ((net(x) - y) ** 2).mean().backward()
     out["kept gradient unchanged"] = torch.equal(kept.to_local(), before)
     # set_gradient_divide_factor(1.0): the sum over ranks (torch's needs PREMUL_SUM, which Gloo lacks).
+    # FSDP2's knobs that hp's design makes moot are taken (and change nothing).
     grads = {}
-    for factor in (None, 1.0):
+    for factor in (None, 1.0, 4.0):
         net = sharded_net("hp")
+        net.set_is_last_backward(True)
+        net.set_unshard_in_backward(True)
+        net.set_reduce_scatter_unused_params(True)
         if factor is not None:
             for module in (net, *net.blocks):
-                module.set_gradient_divide_factor(factor)
+                if factor == 4.0:
+                    module.set_reduce_scatter_divide_factor(factor)  # torch's older name
+                else:
+                    module.set_gradient_divide_factor(factor)
         x, y = net_data(rank, 0)
         ((net(x) - y) ** 2).mean().backward()
         grads[factor] = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
@@ -457,6 +464,8 @@ def test_evaluation_checkpointing_dataclasses_skipped_modules_and_accumulation_a
         assert result["kept gradient unchanged"]
         average, total = result["divide factor 1"][None], result["divide factor 1"][1.0]
         assert all(torch.equal(total[n], 2 * average[n]) for n in average)
+        quarter = result["divide factor 1"][4.0]
+        assert all(torch.equal(quarter[n], total[n] / 4) for n in average)
 
 
 def meta_init() -> tuple[dict, dict]:
