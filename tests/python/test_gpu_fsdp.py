@@ -60,14 +60,24 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return full
 
 
-def train(model, data, rank: int, world: int, device, clip: float | None = None) -> list[float]:
-    """AdamW steps; each rank takes its rows of every global batch; the mean loss over ranks."""
+def train(model, data, rank: int, world: int, device, clip: float | None = None, held: bool = False) -> list[float]:
+    """AdamW steps; each rank takes its rows of every global batch; the mean loss over ranks.
+    ``held`` (HSDP): two micro-batches a step, all-reduced across nodes once (set_requires_all_reduce)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for batch in data:
         mine = batch[rank * MICRO : (rank + 1) * MICRO].to(device)
-        loss = model(mine, labels=mine).loss
-        loss.backward()
+        if held:
+            loss = 0
+            for index, micro in enumerate(mine.chunk(2)):
+                model.set_requires_all_reduce(index == 1)
+                part = model(micro, labels=micro).loss / 2
+                part.backward()
+                loss = loss + part.detach()
+                assert index == 1 or all(p.grad is None for p in model.parameters())
+        else:
+            loss = model(mine, labels=mine).loss
+            loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         total = loss.detach().float().cpu().reshape(1)
@@ -99,7 +109,7 @@ def one_process(world: int, param_dtype=None, steps: int = STEPS) -> tuple[list[
     return losses, full_params(model)
 
 
-def hp_on_cuda(reshard, mp: bool, nodes: int = 1, param_dtype=None) -> tuple:
+def hp_on_cuda(reshard, mp: bool, nodes: int = 1, param_dtype=None, held: bool = False) -> tuple:
     hp.comm.init()
     device = _device()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,7 +127,7 @@ def hp_on_cuda(reshard, mp: bool, nodes: int = 1, param_dtype=None) -> tuple:
         hp.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     hp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     assert all(isinstance(p, DTensor) and p.device.type == "cuda" for p in model.parameters())
-    losses = train(model, batches(world), rank, world, device)
+    losses = train(model, batches(world), rank, world, device, held=held)
     memory = torch.cuda.max_memory_allocated(device)
     return losses, full_params(model), memory
 
@@ -160,6 +170,12 @@ def test_hsdp_on_cuda_equals_one_process(per_node, monkeypatch):
         monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
     results = run(hp_on_cuda, nproc=per_node, nnodes=2, args=(None, False, 2))
     assert_equal_to_one_process(results, 2 * per_node, f"HSDP 2 nodes x {per_node}")
+
+
+def test_hsdp_accumulation_all_reduces_once_on_cuda():
+    # set_requires_all_reduce(False) on the first of two micro-batches: held within the node.
+    results = run(hp_on_cuda, nproc=2, nnodes=2, args=(None, False, 2, None, True))
+    assert_equal_to_one_process(results, 4, "HSDP 2 nodes x 2, all-reduce once per 2 micro-batches")
 
 
 def assert_within_bf16_noise(results: dict, reference: list[float], noise: float, label: str) -> None:
