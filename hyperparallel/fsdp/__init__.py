@@ -2,8 +2,14 @@
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from hyperparallel.fsdp._fully_shard import FSDPModule, comm_wait_seconds, fully_shard
+from hyperparallel.fsdp._fully_shard import (
+    FSDPModule,
+    comm_wait_seconds,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "comm_wait_seconds", "fully_shard",
+    "register_fsdp_forward_method",
 ]

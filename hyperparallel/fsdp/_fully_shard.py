@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -316,6 +317,32 @@ def fully_shard(
         m.register_load_state_dict_post_hook(_keep_shards_after_assign)
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run as a forward does: the full parameters are registered
+    before it and the hooks' after-forward work runs after it, as torch's
+    ``register_fsdp_forward_method``. For a method that reads parameters itself, outside
+    ``forward`` (one that only calls the module, like HF's ``generate``, needs nothing). A module
+    :func:`fully_shard` did not shard is left as it is, as with torch.
+
+    Example::
+
+        hp.fully_shard(model)
+        hp.fsdp.register_fsdp_forward_method(model, "score")  # score() reads model.lm_head.weight
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def as_forward(self, *args, **kwargs):
+        args, kwargs = _pre_forward(self, args, kwargs)
+        return _post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward.__get__(module, type(module)))
 
 
 def _keep_shards_after_assign(module: nn.Module, incompatible_keys) -> None:

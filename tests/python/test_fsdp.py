@@ -503,6 +503,42 @@ def test_meta_device_init_to_empty_and_load():
             assert torch.equal(ours[k], reference[k]), k
 
 
+def score(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A method that reads a parameter itself, then calls the module."""
+    return model.model.embed_tokens.weight[ids].sum() + model(ids).logits.sum()
+
+
+def forward_methods() -> list:
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank = dist.get_rank()
+    model, reference = shard(make_model(), "hp"), make_model()
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(rank))
+    model.score = score.__get__(model)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"), torch.no_grad():
+        model.score(ids)  # the sharded parameter: as with torch, a method must be registered
+    hp.fsdp.register_fsdp_forward_method(model, "score")
+    got = []
+    for _ in range(2):
+        with torch.no_grad():
+            got.append((model.score(ids).item(), score(reference, ids).item()))
+            got.append((model.generate(ids, max_new_tokens=3, do_sample=False).tolist(),
+                        reference.generate(ids, max_new_tokens=3, do_sample=False).tolist()))
+        model.score(ids).backward()  # a training step through the method
+        got.append((sorted(n for n, p in model.named_parameters() if p.grad is None), []))
+        model.zero_grad()
+    return got
+
+
+def test_a_registered_forward_method_sees_the_full_parameters():
+    """torch's register_fsdp_forward_method, hp's: a method that reads parameters outside forward
+    (and calls forward inside) gives one process's results, with and without grad; HF's generate
+    needs nothing."""
+    for got in run(forward_methods, nproc=2).values():
+        for ours, expected in got:
+            assert ours == expected
+
+
 # -- building and dropping models ---------------------------------------------------------------
 def shared_mappings() -> int:
     """hyperparallel's shared-memory segments this process maps."""
