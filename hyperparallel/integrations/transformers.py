@@ -150,14 +150,17 @@ class ChainedOptimizer(torch.optim.Optimizer):
             optimizer.load_state_dict(state)
 
 
-def shard_model(model: nn.Module, *, patch: bool = False, bf16: bool = False) -> hp.nn.PatchReport | None:
+def shard_model(
+    model: nn.Module, *, patch: bool = False, bf16: bool = False, device: str | torch.device | None = None
+) -> hp.nn.PatchReport | None:
     """What :class:`HPTrainer` does to its model, in place; collective over the job's ranks.
 
     ``hp.nn.patch`` when ``patch`` (a model it does not support keeps its modules, with a
     warning), then ``hp.fully_shard`` on each decoder layer and on the root, over a mesh of
     every rank on the device the parameters are on (HSDP across nodes). ``bf16``: bf16
-    compute with fp32 gradient reduction (``hp.MixedPrecisionPolicy``). Call it yourself to
-    build an optimizer on the sharded parameters before making the trainer.
+    compute with fp32 gradient reduction (``hp.MixedPrecisionPolicy``). ``device``: where a model
+    built on the meta device is sharded to (default: where the parameters are). Call it yourself
+    to build an optimizer on the sharded parameters before making the trainer.
 
     Returns the patch report, or None without ``patch``.
 
@@ -184,7 +187,7 @@ def shard_model(model: nn.Module, *, patch: bool = False, bf16: bool = False) ->
             log.info("%s", report)
         except TypeError as error:
             log.warning("patch: %s; training with the model's own modules", error)
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     mesh = _mesh(device)
     policy = (
         hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
@@ -199,6 +202,39 @@ def shard_model(model: nn.Module, *, patch: bool = False, bf16: bool = False) ->
         hp.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     hp.fully_shard(model, mesh=mesh, mp_policy=policy)
     return report
+
+
+def from_pretrained(
+    directory: str | os.PathLike, *, patch: bool = False, bf16: bool = False, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The HF causal LM in local directory ``directory``, sharded as :class:`HPTrainer` shards
+    (:func:`shard_model`) without ever being whole in one rank's memory; collective.
+
+    ``from_pretrained`` loads the whole model on every rank first. This builds it on the meta
+    device, shards it onto ``device``, and each rank reads only its own rows of the directory's
+    tensors (``hp.nn.load_pretrained``), so a model may be as large as the job's memory. The
+    weights are fp32, as training keeps them (``bf16``: bf16 compute, as in shard_model).
+
+    Example (``torchrun --nproc-per-node 8 train.py``)::
+
+        model = from_pretrained("Qwen3-30B-A3B/", patch=True, bf16=True, device="cuda")
+        trainer = HPTrainer(model=model, args=args, train_dataset=dataset)
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hyperparallel.trainer.model import init_weights
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = hp.comm.device() if device.index is None else device
+        torch.cuda.set_device(device)
+    shard_model(model, patch=patch, bf16=bf16, device=device)
+    model.to_empty(device=device)  # the buffers; the shards have their memory
+    init_weights(model, seed=0, parameters=False)  # the buffers no checkpoint holds (RoPE's)
+    hp.nn.load_pretrained(model, directory)
+    return model
 
 
 def _mesh(device: torch.device) -> DeviceMesh:
@@ -511,5 +547,5 @@ def _state_dir(checkpoint: str | os.PathLike) -> Path:
     return path
 
 
-__all__ = ["STATE_DIR", "ChainedOptimizer", "HPArguments", "HPTrainer", "HPTrainerMixin", "muon_adamw",
+__all__ = ["STATE_DIR", "ChainedOptimizer", "HPArguments", "HPTrainer", "HPTrainerMixin", "from_pretrained", "muon_adamw",
            "save_pretrained", "shard_model"]

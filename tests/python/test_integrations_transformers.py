@@ -111,14 +111,15 @@ def _torch_muon_adamw(model, args, hp_args, decay_names):
 
 
 def hp_run(kind: str, optimizer: str, patch: bool, out: str, save: str | None, resume: str | None = None,
-           overrides: dict | None = None):
-    """One rank of HPTrainer; returns its logged losses and the trained model's logits on PROBE."""
+           overrides: dict | None = None, pretrained: str | None = None):
+    """One rank of HPTrainer; returns its logged losses and the trained model's logits on PROBE.
+    ``pretrained``: the model is ``from_pretrained(pretrained)``'s, sharded before the trainer."""
     import torch.distributed as dist
 
-    from hyperparallel.integrations.transformers import HPArguments, HPTrainer
+    from hyperparallel.integrations.transformers import HPArguments, HPTrainer, from_pretrained
 
     torch.set_num_threads(1)
-    model = make_model(kind)
+    model = make_model(kind) if pretrained is None else from_pretrained(pretrained, patch=patch)
     overrides = overrides or {}
     evaluating = overrides.get("eval_strategy", "no") != "no"
     trainer = HPTrainer(
@@ -162,6 +163,16 @@ def test_adamw_matches_one_process_and_saves_a_loadable_hf_directory(tmp_path):
         reloaded = loaded(input_ids=PROBE).logits
     torch.testing.assert_close(reloaded, logits, atol=1e-5, rtol=0)  # the trained model, in stock modules
     torch.testing.assert_close(reloaded, expected_logits, atol=1e-4, rtol=0)
+
+
+def test_a_model_loaded_sharded_trains_as_one_loaded_whole(tmp_path):
+    """from_pretrained builds the model on the meta device and each rank reads only its rows of the
+    HF directory; HPTrainer takes it sharded and trains it as one process trains the same weights."""
+    make_model("moe").save_pretrained(tmp_path / "pretrained")
+    expected, _ = run(reference_run, 1, ("moe", "hf", str(tmp_path / "ref"), {}))[0]
+    results = run(hp_run, WORLD, ("moe", "hf", True, str(tmp_path / "hp"), None, None, None,
+                                  str(tmp_path / "pretrained")))
+    _assert_losses_equal(results[0][0], expected)
 
 
 def test_muon_matches_torch_muon_in_one_process(tmp_path):
