@@ -185,8 +185,7 @@ void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
     output = at::empty({shard_elems_ + tail}, at::TensorOptions().dtype(dtype_));
     sharded_grad_buffer_ = output;
   }
-  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
-  const float scale = gradient_scale(communicator_->node().size() * replicas);
+  const float scale = gradient_scale(communicator_->node().size(), options_);
   ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale, all_reduce = requires_all_reduce()] {
     run_reduce(grads, output, scale, all_reduce);
   });

@@ -395,8 +395,7 @@ void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
   for (const auto& grad : grads)
     if (grad) impl.recordDataPtrOnStream(grad->storage().data_ptr(), state_.reduce_scatter);
-  const int replicas = options_.replicate ? options_.replicate->getSize() : 1;
-  const float scale = gradient_scale(ranks() * replicas);
+  const float scale = gradient_scale(ranks(), options_);
   ticket_ = reducer_->submit([this, grads = std::move(grads), output, scale, all_reduce = requires_all_reduce()] {
     run_reduce(grads, output, scale, all_reduce);
   });

@@ -314,11 +314,14 @@ def _check_fits(state_dict: dict[str, Any], path: Path) -> None:
             if there != tuple(value.shape):
                 differ.append(f"{key} is {there} there, {tuple(value.shape)} here")
     if missing or differ:
+        def first(items: list[str], sep: str) -> str:
+            return sep.join(items[:3]) + (f"{sep}..." if len(items) > 3 else "")
+
         parts = []
         if missing:
-            parts.append(f"it lacks {len(missing)} keys ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+            parts.append(f"it lacks {len(missing)} keys ({first(missing, ', ')})")
         if differ:
-            parts.append(f"{len(differ)} tensors differ in shape ({'; '.join(differ[:3])}{'; ...' if len(differ) > 3 else ''})")
+            parts.append(f"{len(differ)} tensors differ in shape ({first(differ, '; ')})")
         raise CheckpointMismatchError(f"checkpoint {path} does not fit the state loaded into it: {' and '.join(parts)}")
 
 

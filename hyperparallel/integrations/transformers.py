@@ -222,7 +222,7 @@ def from_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hyperparallel.trainer.model import init_weights
+    from hyperparallel.trainer.model import load_weights
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
@@ -232,8 +232,7 @@ def from_pretrained(
         torch.cuda.set_device(device)
     shard_model(model, patch=patch, bf16=bf16, device=device)
     model.to_empty(device=device)  # the buffers; the shards have their memory
-    init_weights(model, seed=0, parameters=False)  # the buffers no checkpoint holds (RoPE's)
-    hp.nn.load_pretrained(model, directory)
+    load_weights(model, directory)
     return model
 
 

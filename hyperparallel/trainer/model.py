@@ -94,15 +94,21 @@ def _skeleton(cfg: Config, dtype: torch.dtype, device: str | torch.device) -> nn
 
 
 def _fill(model: nn.Module, cfg: Config) -> None:
-    """Fresh weights from ``model.seed``, or ``model.pretrained``'s (then only what a checkpoint
-    does not hold is initialised: the non-persistent buffers, e.g. RoPE's frequencies)."""
+    """Fresh weights from ``model.seed``, or ``model.pretrained``'s (:func:`load_weights`)."""
     if cfg.model.pretrained is None:
         init_weights(model, cfg.model.seed)
-        return
+    else:
+        load_weights(model, cfg.model.pretrained, cfg.model.seed)
+
+
+def load_weights(model: nn.Module, directory: str | Path, seed: int = 0) -> None:
+    """HF directory ``directory``'s weights into ``model`` (whole, or sharded: each rank reads its
+    rows), after what no checkpoint holds is initialised (:func:`init_weights` from ``seed``):
+    the non-persistent buffers (RoPE's frequencies), which ``to_empty`` left as garbage."""
     import hyperparallel.nn as hpnn
 
-    init_weights(model, cfg.model.seed, parameters=False)
-    hpnn.load_pretrained(model, cfg.model.pretrained)
+    init_weights(model, seed, parameters=False)
+    hpnn.load_pretrained(model, directory)
 
 
 def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> None:
@@ -152,12 +158,18 @@ def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> Non
                       if not isinstance(child, hp.FSDPModule)]
         return drawn
 
+    def unset(owner: nn.Module, name: str) -> ConfigError:
+        if name in volatile:
+            return ConfigError(f"{type(owner).__name__}._init_weights leaves {name} unset, which no checkpoint "
+                               "holds (a non-persistent buffer): the trainer cannot build this model")
+        return ConfigError(f"{type(owner).__name__}._init_weights leaves {name} unset; the trainer cannot draw "
+                           "fresh weights for this model: start from weights (model.pretrained)")
+
     def swap_out(drawn: dict, owner: nn.Module) -> None:
         """Each rank keeps its rows of the whole tensors; the sharded parameters go back."""
         for name, param, whole, owners in drawn.values():
             if whole.is_floating_point() and whole.isnan().any():
-                raise ConfigError(f"{type(owner).__name__}._init_weights leaves {name} unset; the trainer cannot "
-                                  "draw fresh weights for this model: start from weights (model.pretrained)")
+                raise unset(owner, name)
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             param.to_local().copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
             for module, attr in owners:
@@ -186,11 +198,7 @@ def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> Non
         visit(model, "", model)
     for name, tensor in plain.items():
         if tensor.isnan().any():
-            if name in volatile:
-                raise ConfigError(f"{type(model).__name__}._init_weights leaves {name} unset, which no checkpoint "
-                                  "holds (a non-persistent buffer): the trainer cannot build this model")
-            raise ConfigError(f"{type(model).__name__}._init_weights leaves {name} unset; the trainer cannot draw "
-                              "fresh weights for this model: start from weights (model.pretrained)")
+            raise unset(model, name)
     for name, param, version in done.values():
         if param._version != version:
             raise ConfigError(f"{type(model).__name__}._init_weights writes {name} from a module above its "

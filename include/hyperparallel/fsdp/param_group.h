@@ -135,9 +135,11 @@ class ParamGroup {
   void set_requires_all_reduce(bool required) { requires_all_reduce_ = required; }
 
  protected:
-  // What reduce() multiplies the sum over `ranks` ranks by.
-  float gradient_scale(int ranks) const {
-    return divide_factor_ ? float(1.0 / *divide_factor_) : 1.0f / float(ranks);
+  // What reduce() multiplies the sum over the job's ranks (the node's
+  // `node_ranks` times the replicas in `options`) by.
+  float gradient_scale(int node_ranks, const GroupOptions& options) const {
+    const int replicas = options.replicate ? options.replicate->getSize() : 1;
+    return divide_factor_ ? float(1.0 / *divide_factor_) : 1.0f / float(node_ranks * replicas);
   }
   bool requires_all_reduce() const { return requires_all_reduce_; }
   // The HSDP end of a reduction, on the reducer thread: `output` (the node's
