@@ -19,9 +19,11 @@ its arguments, data pipeline, chat templates, callbacks, loss plot and output di
 with its SFT trainer, ``CustomSeq2SeqTrainer``, swapped for a subclass that also has
 :class:`~hyperparallel.integrations.transformers.HPTrainerMixin`: the model is sharded by
 ``hp.fully_shard`` instead of wrapped in DDP, the optimizer is hp's, ``save_model`` writes
-the HF directory from the shards. LlamaFactory has no plugin point for a distributed
-backend and its CLI re-executes itself under torchrun, so the swap happens here, in every
-rank, before LlamaFactory builds the trainer.
+the HF directory from the shards. Its ``load_model`` builds the model on the meta device
+(:func:`meta_load_model`): each rank reads only its rows of the weights, where LlamaFactory
+loads the whole model on every rank. LlamaFactory has no plugin point for a distributed
+backend and its CLI re-executes itself under torchrun, so the swaps happen here, in every
+rank, before LlamaFactory loads the model.
 
 Refused before LlamaFactory starts, naming the option: ``stage`` other than ``sft``,
 ``finetuning_type`` other than ``full`` (LoRA, freeze: hp trains every parameter),
@@ -35,10 +37,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hyperparallel.integrations.transformers import HPArguments, HPTrainerMixin
+from hyperparallel._log import log
+from hyperparallel.integrations.transformers import HPArguments, HPTrainerMixin, from_pretrained_meta
 
 USAGE = "usage: torchrun --nproc-per-node N -m hyperparallel.integrations.llamafactory CONFIG.yaml [key=value ...]"
 SECTION = "hyperparallel"
@@ -129,12 +133,72 @@ def trainer_class(base: type, hp_args: HPArguments) -> type:
     return type(f"HP{base.__name__}", (HPTrainerMixin, base), {"__init__": __init__})
 
 
+def meta_load_model(load_model: Callable) -> Callable:
+    """LlamaFactory's ``load_model`` with the model built on the meta device
+    (:func:`~hyperparallel.integrations.transformers.from_pretrained_meta`) where its weights are
+    local safetensors: LlamaFactory changes it as it would the loaded one (config, gradient
+    checkpointing, dtypes), then the trainer shards it and each rank reads only its rows. Loaded
+    whole on every rank instead, as LlamaFactory does: a vocabulary it resizes (``resize_vocab``,
+    added tokens), a model it does not train, weights that are not safetensors."""
+
+    def load(tokenizer, model_args, finetuning_args, is_trainable=False, add_valuehead=False):
+        from llamafactory.model import loader
+
+        if not is_trainable or add_valuehead or model_args.resize_vocab:
+            if model_args.resize_vocab:
+                log.info("resize_vocab: the model is loaded whole on every rank to grow its embeddings")
+            return load_model(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead)
+        auto = loader.AutoModelForCausalLM
+        loader.AutoModelForCausalLM = _meta_auto_class(auto)
+        try:
+            return load_model(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead)
+        finally:
+            loader.AutoModelForCausalLM = auto
+
+    return load
+
+
+def _meta_auto_class(auto: type) -> type:
+    """``auto`` (transformers' AutoModelForCausalLM, as LlamaFactory's loader calls it) whose
+    ``from_pretrained`` builds on the meta device when the weights are local safetensors."""
+
+    def from_pretrained(pretrained_model_name_or_path, *args, config=None, torch_dtype="auto", **kwargs):
+        directory = Path(pretrained_model_name_or_path)
+        if args or config is None or kwargs.get("quantization_config") is not None:
+            return auto.from_pretrained(pretrained_model_name_or_path, *args, config=config, torch_dtype=torch_dtype,
+                                        **kwargs)
+        if not _has_safetensors(directory):
+            log.info("%s: no local safetensors: the model is loaded whole on every rank", directory)
+            return auto.from_pretrained(pretrained_model_name_or_path, *args, config=config, torch_dtype=torch_dtype,
+                                        **kwargs)
+        return from_pretrained_meta(directory, config=config, dtype=_dtype(config, torch_dtype),
+                                    trust_remote_code=kwargs.get("trust_remote_code", False))
+
+    return type(auto.__name__, (), {"from_pretrained": staticmethod(from_pretrained),
+                                    "from_config": staticmethod(auto.from_config)})
+
+
+def _has_safetensors(directory: Path) -> bool:
+    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+
+
+def _dtype(config, torch_dtype):
+    """The parameters' dtype ``from_pretrained(torch_dtype=...)`` gives: ``"auto"`` is the config's."""
+    import torch
+
+    dtype = getattr(config, "dtype", None) if torch_dtype == "auto" else torch_dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
+
+
 def train(config: dict[str, Any], hp_args: HPArguments) -> None:
     """This rank's part of LlamaFactory's training run ``config``, with hyperparallel's trainer."""
     from llamafactory.train import tuner
     from llamafactory.train.sft import workflow
 
     workflow.CustomSeq2SeqTrainer = trainer_class(workflow.CustomSeq2SeqTrainer, hp_args)
+    workflow.load_model = meta_load_model(workflow.load_model)
     tuner.run_exp(args=config)
 
 

@@ -211,29 +211,81 @@ def from_pretrained(
     (:func:`shard_model`) without ever being whole in one rank's memory; collective.
 
     ``from_pretrained`` loads the whole model on every rank first. This builds it on the meta
-    device, shards it onto ``device``, and each rank reads only its own rows of the directory's
-    tensors (``hp.nn.load_pretrained``), so a model may be as large as the job's memory. The
-    weights are fp32, as training keeps them (``bf16``: bf16 compute, as in shard_model).
+    device (:func:`from_pretrained_meta`), shards it onto ``device``, and each rank reads only its
+    own rows of the directory's tensors (``hp.nn.load_pretrained``), so a model may be as large as
+    the job's memory. The weights are fp32, as training keeps them (``bf16``: bf16 compute, as in
+    shard_model).
 
     Example (``torchrun --nproc-per-node 8 train.py``)::
 
         model = from_pretrained("Qwen3-30B-A3B/", patch=True, bf16=True, device="cuda")
         trainer = HPTrainer(model=model, args=args, train_dataset=dataset)
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hyperparallel.trainer.model import load_weights
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
+    model = from_pretrained_meta(directory)
     device = torch.device(device)
     if device.type == "cuda":
         device = hp.comm.device() if device.index is None else device
         torch.cuda.set_device(device)
     shard_model(model, patch=patch, bf16=bf16, device=device)
-    model.to_empty(device=device)  # the buffers; the shards have their memory
-    load_weights(model, directory)
+    _fill(model, device)
     return model
+
+
+def from_pretrained_meta(
+    directory: str | os.PathLike, *, config=None, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> nn.Module:
+    """The HF causal LM in local directory ``directory`` built on the meta device: its modules,
+    config and generation config, no values yet. :class:`HPTrainer` (any :class:`HPTrainerMixin`)
+    given it shards it onto the training device and has each rank read only its rows of the
+    directory's tensors: the model is never whole in one rank's memory. Until then it may be
+    changed as any model (gradient checkpointing, dtypes, hooks) but not run.
+
+    ``config``: the model's config, when changed from the directory's (``AutoConfig``);
+    ``dtype``: the parameters' (fp32, as training keeps them).
+
+    Example (``torchrun --nproc-per-node 8 train.py``)::
+
+        model = from_pretrained_meta("Qwen3-30B-A3B/")
+        model.gradient_checkpointing_enable()
+        trainer = HPTrainer(model=model, args=args, train_dataset=dataset, hp_args=HPArguments(patch=True))
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: pass a local HF model directory")
+    if config is None:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    config._name_or_path = str(directory)  # as from_pretrained leaves it
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    model._hp_weights = directory
+    return model.eval()  # as from_pretrained returns it
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` has no values yet (:func:`from_pretrained_meta`'s); a meta model with no
+    directory to fill it from is refused."""
+    if not any(p.is_meta for p in model.parameters()):
+        return False
+    if getattr(model, "_hp_weights", None) is None:
+        raise ValueError(
+            f"hyperparallel: {type(model).__name__} is on the meta device with no weights to load: build it with "
+            "hyperparallel.integrations.transformers.from_pretrained_meta(directory), or give it values"
+        )
+    return True
+
+
+def _fill(model: nn.Module, device: torch.device) -> None:
+    """A sharded :func:`from_pretrained_meta` model's values: the buffers' memory on ``device``
+    (the shards have theirs), then each rank's rows of the directory's tensors."""
+    from hyperparallel.trainer.model import load_weights
+
+    model.to_empty(device=device)
+    load_weights(model, model._hp_weights)
+    del model._hp_weights
 
 
 def _mesh(device: torch.device) -> DeviceMesh:
@@ -337,7 +389,9 @@ class HPTrainerMixin:
 
     Put it first: ``class MyTrainer(HPTrainerMixin, SomeTrainer)``. The constructor takes the
     base's arguments plus ``hp_args`` (:class:`HPArguments`) and shards the model when the base's
-    constructor is done (a model already sharded by :func:`shard_model` is kept as it is).
+    constructor is done (a model already sharded by :func:`shard_model` is kept as it is; one
+    from :func:`from_pretrained_meta` is sharded onto the training device and each rank reads its
+    rows of the weights).
 
     Refused, each with the option named: DeepSpeed or FSDP in the TrainingArguments (hp shards
     the model itself), ``fp16`` (hp's mixed precision is ``bf16``: bf16 compute, fp32
@@ -372,7 +426,13 @@ class HPTrainerMixin:
         if isinstance(model, hp.FSDPModule):
             return None
         _check_model(model)
-        return shard_model(model, patch=self.hp_args.patch, bf16=self.args.bf16)
+        if not _on_meta(model):
+            return shard_model(model, patch=self.hp_args.patch, bf16=self.args.bf16)
+        log.info("%s built on the meta device: sharded, then each rank reads its rows of %s",
+                 type(model).__name__, model._hp_weights)
+        report = shard_model(model, patch=self.hp_args.patch, bf16=self.args.bf16, device=self.args.device)
+        _fill(model, self.args.device)
+        return report
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -384,7 +444,8 @@ class HPTrainerMixin:
         return model
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        if not isinstance(model, hp.FSDPModule):  # the shards stay where hp.fully_shard put them
+        # The shards stay where hp.fully_shard put them; a meta model is sharded onto the device.
+        if not isinstance(model, hp.FSDPModule) and not _on_meta(model):
             super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None):
@@ -546,5 +607,5 @@ def _state_dir(checkpoint: str | os.PathLike) -> Path:
     return path
 
 
-__all__ = ["STATE_DIR", "ChainedOptimizer", "HPArguments", "HPTrainer", "HPTrainerMixin", "from_pretrained", "muon_adamw",
-           "save_pretrained", "shard_model"]
+__all__ = ["STATE_DIR", "ChainedOptimizer", "HPArguments", "HPTrainer", "HPTrainerMixin", "from_pretrained",
+           "from_pretrained_meta", "muon_adamw", "save_pretrained", "shard_model"]

@@ -120,7 +120,8 @@ def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> Non
     more than the root's group and one layer's at a time. Tied weights are drawn once, as their
     source (HF ties after initialising). Every floating-point tensor is NaN until initialised;
     one still NaN afterwards, or a group's parameter written after its group was done (by a
-    parent's ``_init_weights``), is an error rather than garbage or rank-dependent values.
+    parent's ``_init_weights``), is an error rather than garbage or rank-dependent values. The
+    global random state is left as it was.
     ``parameters=False`` initialises only the non-persistent buffers, which no checkpoint holds
     (and, for them, the modules above theirs).
     """
@@ -128,7 +129,6 @@ def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> Non
 
     import hyperparallel as hp
 
-    torch.manual_seed(seed)
     persistent = set(model.state_dict(keep_vars=True))
     volatile = {name for name, _ in model.named_buffers() if name not in persistent}
     # parameters=False: the modules holding such buffers, and those above them.
@@ -192,7 +192,11 @@ def init_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> Non
         if drawn is not None:
             swap_out(drawn, owner)
 
-    with torch.no_grad():
+    # The draws come from the global generators, seeded here and given back as they were: the
+    # caller's random stream (HF Trainer's data order) is the same with or without this call.
+    cuda = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        torch.manual_seed(seed)
         for tensor in plain.values():
             tensor.fill_(float("nan"))
         visit(model, "", model)

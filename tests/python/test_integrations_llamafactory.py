@@ -2,7 +2,8 @@
 
 The run is the one docs/integrations.md shows: examples/llamafactory/qwen3_moe_sft.yaml on the
 tiny Qwen3-MoE that examples/llamafactory/tiny_model.py makes here, with the 50 alpaca
-examples of tests/data. It trains 20 steps with hp's fused modules and Muon, the loss
+examples of tests/data. The model is built on the meta device and each rank reads only its
+rows of the weights. It trains 20 steps with hp's fused modules and Muon, the loss
 falls, and its output directory loads in transformers; with AdamW its first 5 steps'
 losses are LlamaFactory's own single-process run's (``llamafactory-cli train``, the same
 config without our section) within 1e-4. Configs hyperparallel does not train are refused
@@ -32,8 +33,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(command: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+def _run(command: list[str], timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}, **(env or {})}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     return subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -63,7 +64,12 @@ def write_config(path: Path, model: Path, out: Path, *, hyperparallel: dict | No
 
 def hp_train(config: Path) -> subprocess.CompletedProcess:
     return _run([str(ENV / "torchrun"), "--nproc-per-node", str(WORLD), "-m",
-                 "hyperparallel.integrations.llamafactory", str(config)])
+                 "hyperparallel.integrations.llamafactory", str(config)], env={"HP_LOG": "info"})
+
+
+def loaded_by_rows(result: subprocess.CompletedProcess) -> bool:
+    """Whether each rank read only its rows of the weights (the model was built on the meta device)."""
+    return result.stderr.count("built on the meta device: sharded, then each rank reads its rows") == WORLD
 
 
 def losses(out: Path) -> list[float]:
@@ -75,7 +81,7 @@ def test_sft_trains_and_saves_a_loadable_model(tiny_model, tmp_path):
     out = tmp_path / "hp"
     config = write_config(tmp_path / "hp.yaml", tiny_model, out, hyperparallel=yaml.safe_load(EXAMPLE.read_text())[
         "hyperparallel"])
-    _ok(hp_train(config))
+    assert loaded_by_rows(_ok(hp_train(config)))
     got = losses(out)
     assert len(got) == 20
     assert got[-1] < got[0] - 1.0, got
@@ -99,8 +105,8 @@ def test_first_steps_match_llamafactory_alone(tiny_model, tmp_path):
     own run in one process with 4 micro-batches of 2 (the same 8 examples per step)."""
     steps = {"max_steps": 5}
     hp_out, alone_out = tmp_path / "hp", tmp_path / "alone"
-    _ok(hp_train(write_config(tmp_path / "hp.yaml", tiny_model, hp_out,
-                              hyperparallel={"patch": True, "optimizer": "hf"}, **steps)))
+    assert loaded_by_rows(_ok(hp_train(write_config(tmp_path / "hp.yaml", tiny_model, hp_out,
+                                                    hyperparallel={"patch": True, "optimizer": "hf"}, **steps))))
     alone = write_config(tmp_path / "alone.yaml", tiny_model, alone_out, **steps,
                          gradient_accumulation_steps=WORLD * 2)
     _ok(_run([str(ENV / "llamafactory-cli"), "train", str(alone)]))

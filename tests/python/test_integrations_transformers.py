@@ -111,15 +111,23 @@ def _torch_muon_adamw(model, args, hp_args, decay_names):
 
 
 def hp_run(kind: str, optimizer: str, patch: bool, out: str, save: str | None, resume: str | None = None,
-           overrides: dict | None = None, pretrained: str | None = None):
+           overrides: dict | None = None, pretrained: tuple[str, str] | None = None):
     """One rank of HPTrainer; returns its logged losses and the trained model's logits on PROBE.
-    ``pretrained``: the model is ``from_pretrained(pretrained)``'s, sharded before the trainer."""
+    ``pretrained``: (loader, directory): the model is ``from_pretrained(directory)``'s, sharded
+    before the trainer, or ``from_pretrained_meta(directory)``'s, which the trainer shards and fills."""
     import torch.distributed as dist
 
-    from hyperparallel.integrations.transformers import HPArguments, HPTrainer, from_pretrained
+    from hyperparallel.integrations import transformers as integration
+    from hyperparallel.integrations.transformers import HPArguments, HPTrainer
 
     torch.set_num_threads(1)
-    model = make_model(kind) if pretrained is None else from_pretrained(pretrained, patch=patch)
+    if pretrained is None:
+        model = make_model(kind)
+    elif pretrained[0] == "from_pretrained":
+        model = integration.from_pretrained(pretrained[1], patch=patch)
+    else:
+        model = integration.from_pretrained_meta(pretrained[1])
+        model.gradient_checkpointing_enable()  # a meta model is changed as any, before it has values
     overrides = overrides or {}
     evaluating = overrides.get("eval_strategy", "no") != "no"
     trainer = HPTrainer(
@@ -165,13 +173,16 @@ def test_adamw_matches_one_process_and_saves_a_loadable_hf_directory(tmp_path):
     torch.testing.assert_close(reloaded, expected_logits, atol=1e-4, rtol=0)
 
 
-def test_a_model_loaded_sharded_trains_as_one_loaded_whole(tmp_path):
+@pytest.mark.parametrize("loader", ["from_pretrained", "from_pretrained_meta"])
+def test_a_model_loaded_sharded_trains_as_one_loaded_whole(tmp_path, loader):
     """from_pretrained builds the model on the meta device and each rank reads only its rows of the
-    HF directory; HPTrainer takes it sharded and trains it as one process trains the same weights."""
+    HF directory; HPTrainer takes it sharded and trains it as one process trains the same weights.
+    from_pretrained_meta leaves the sharding and reading to HPTrainer (LlamaFactory's way: the model
+    is changed between loading and training), with the same result."""
     make_model("moe").save_pretrained(tmp_path / "pretrained")
     expected, _ = run(reference_run, 1, ("moe", "hf", str(tmp_path / "ref"), {}))[0]
     results = run(hp_run, WORLD, ("moe", "hf", True, str(tmp_path / "hp"), None, None, None,
-                                  str(tmp_path / "pretrained")))
+                                  (loader, str(tmp_path / "pretrained"))))
     _assert_losses_equal(results[0][0], expected)
 
 
