@@ -349,10 +349,17 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
         hp.checkpoint.load(state, "ckpt/100")
         model.load_state_dict(state["model"]); step = state["step"]
     """
+    path = Path(path).absolute()
+    verify(path, process_group=process_group)
+    load_verified(state_dict, path, process_group=process_group)
+
+
+def load_verified(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> None:
+    """:func:`load` without verifying the files first: for a checkpoint :func:`verify` has just
+    checked, read in parts (``hyperparallel convert`` reads a shard's tensors at a time)."""
     _check_state_dict(state_dict)
     group, _, _ = _group(process_group)
     path = Path(path).absolute()
-    verify(path, process_group=process_group)
     _check_fits(state_dict, path)
     try:
         with _quiet(group):

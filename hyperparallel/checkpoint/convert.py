@@ -1,8 +1,8 @@
 """``hyperparallel convert``: checkpoint <-> HuggingFace model directory.
 
 ``to-hf CKPT OUT --config config.json`` gathers the model tensors of a
-checkpoint (any world size it was saved at) in one process and writes an HF
-directory: ``config.json``, ``model-0000i-of-0000n.safetensors`` shards and
+checkpoint (any world size it was saved at) in one process, one safetensors
+shard's at a time, and writes an HF directory: ``config.json``, ``model-0000i-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json``, loadable by
 ``transformers.AutoModelForCausalLM.from_pretrained``. ``from-hf HF_DIR OUT``
 writes a checkpoint holding ``{"model": <HF weights>}`` (per-expert Qwen3-MoE
@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hyperparallel.checkpoint import hf
-from hyperparallel.checkpoint._api import METADATA, load, save
+from hyperparallel.checkpoint._api import METADATA, load, load_verified, save, verify
 from hyperparallel.checkpoint._storage import CheckpointError, Reader
 from hyperparallel.checkpoint.hf import read_safetensors, write_safetensors  # also this module's API
 
@@ -39,33 +40,49 @@ def _parse_size(text: str) -> int:
 
 def model_tensors(checkpoint: str | os.PathLike, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The full tensors under ``prefix`` of a checkpoint, loaded in this process (keys without the prefix)."""
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / METADATA).is_file():
-        raise CheckpointError(f"{checkpoint} is not a checkpoint (no {METADATA}); pass a checkpoint directory")
-    metadata = Reader(checkpoint).read_metadata()
-    state = {}
-    for fqn, meta in metadata.state_dict_metadata.items():
-        if fqn.startswith(prefix) and hasattr(meta, "size"):
-            state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    if not state:
-        keys = sorted(metadata.state_dict_metadata)[:5]
-        raise CheckpointError(
-            f"{checkpoint} has no tensors under {prefix!r} (its keys start {keys}); pass --prefix to choose them"
-        )
+    entries = _model_entries(Path(checkpoint), prefix)
+    state = {prefix + name: torch.empty(size, dtype=dtype) for name, (size, dtype) in entries.items()}
     load(state, checkpoint)
     return {fqn[len(prefix):]: tensor for fqn, tensor in state.items()}
 
 
+def _model_entries(checkpoint: Path, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The shape and dtype of each tensor under ``prefix`` in the checkpoint's metadata (keys without the prefix)."""
+    if not (checkpoint / METADATA).is_file():
+        raise CheckpointError(f"{checkpoint} is not a checkpoint (no {METADATA}); pass a checkpoint directory")
+    metadata = Reader(checkpoint).read_metadata()
+    entries = {fqn[len(prefix):]: (meta.size, meta.properties.dtype)
+               for fqn, meta in metadata.state_dict_metadata.items() if fqn.startswith(prefix) and hasattr(meta, "size")}
+    if not entries:
+        keys = sorted(metadata.state_dict_metadata)[:5]
+        raise CheckpointError(
+            f"{checkpoint} has no tensors under {prefix!r} (its keys start {keys}); pass --prefix to choose them"
+        )
+    return entries
+
+
 def to_hf(checkpoint, out, config, *, prefix: str = "model.", max_shard_size: int = 5 << 30,
           dtype: torch.dtype | None = None) -> Path:
-    """Write checkpoint's model as an HF directory ``out`` (see the module docstring)."""
+    """Write checkpoint's model as an HF directory ``out`` (see the module docstring). The files
+    are verified once, then each safetensors shard's tensors are read and written in turn: the
+    model is never whole in memory, only one shard (``max_shard_size``)."""
     config = Path(config)
     if not config.is_file():
         raise CheckpointError(f"config {config} does not exist: pass the model's HF config.json with --config")
-    tensors = model_tensors(checkpoint, prefix)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return hf.write_directory(tensors, out, config, max_shard_size)
+    checkpoint = Path(checkpoint)
+    entries = _model_entries(checkpoint, prefix)
+
+    def cast(tensor_dtype: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and tensor_dtype.is_floating_point else tensor_dtype
+
+    sizes = {name: math.prod(size) * cast(tensor_dtype).itemsize for name, (size, tensor_dtype) in entries.items()}
+    verify(checkpoint)
+    writer = hf.DirectoryWriter(out, config, sizes, max_shard_size)
+    for names in writer.shards:
+        state = {prefix + name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in names}
+        load_verified(state, checkpoint)
+        writer.write({name: state[prefix + name].to(cast(entries[name][1])) for name in names})
+    return writer.close()
 
 
 def from_hf(hf_dir, out, *, prefix: str = "model.") -> Path:

@@ -165,36 +165,85 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike)
 
 def write_directory(tensors: dict[str, torch.Tensor], out: str | os.PathLike, config: str | os.PathLike,
                     max_shard_size: int = 5 << 30) -> Path:
-    """An HF directory ``out``: ``tensors`` in ``model-0000i-of-0000n.safetensors`` shards of at most
-    ``max_shard_size`` bytes (a larger tensor gets a shard of its own), the index, and ``config``
-    copied to ``config.json``. Weight files already in ``out`` (``model.safetensors``, other
-    shards, ``pytorch_model*.bin``) are removed once the new ones are written; its other
-    files stay."""
-    out = Path(out)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    """An HF directory ``out`` holding ``tensors`` (see :class:`DirectoryWriter`, which writes it)."""
+    writer = DirectoryWriter(out, config, {name: tensor.nbytes for name, tensor in tensors.items()}, max_shard_size)
+    for names in writer.shards:
+        writer.write({name: tensors[name] for name in names})
+    return writer.close()
+
+
+def shard_plan(sizes: dict[str, int], max_shard_size: int = 5 << 30) -> list[list[str]]:
+    """The names of each safetensors shard of an HF directory holding tensors of ``sizes`` (name ->
+    bytes, in order): at most ``max_shard_size`` bytes each, a larger tensor in a shard of its own."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, tensor in tensors.items():
-        if shards[-1] and size + tensor.nbytes > max_shard_size:
-            shards.append({})
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
             size = 0
-        shards[-1][name] = tensor
-        size += tensor.nbytes
-    out.mkdir(parents=True, exist_ok=True)
-    stale = [old for old in out.iterdir() if _WEIGHTS.fullmatch(old.name) and old.is_file()]
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(shard, out / file)
-        weight_map.update({name: file for name in shard})
-    total = sum(t.nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX).write_text(json.dumps(index, indent=2))
-    for old in stale:  # once the new weights are all there
-        if old.name not in weight_map.values() and old.name != INDEX:
-            old.unlink()
-    if not (out / "config.json").exists() or not os.path.samefile(config, out / "config.json"):
-        shutil.copyfile(config, out / "config.json")
-    return out
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+class DirectoryWriter:
+    """An HF directory ``out`` written one safetensors shard at a time, so a model need never be
+    whole in memory: only the shard being written.
+
+    ``sizes`` (name -> bytes, in the order to write) plans the shards up front
+    (:func:`shard_plan`): ``model-0000i-of-0000n.safetensors``; :attr:`shards` lists each one's
+    names. Hand each shard's tensors to
+    :meth:`write` in turn, then :meth:`close` writes the index and copies ``config`` to
+    ``config.json``. Weight files already in ``out`` (``model.safetensors``, other shards,
+    ``pytorch_model*.bin``) are removed once the new ones are written; its other files stay.
+
+    Example::
+
+        writer = hf.DirectoryWriter("out/", "ckpt/config.json", {n: t.nbytes for n, t in state.items()})
+        for names in writer.shards:
+            writer.write({n: state[n].full_tensor() for n in names})
+        writer.close()
+    """
+
+    def __init__(self, out: str | os.PathLike, config: str | os.PathLike, sizes: dict[str, int],
+                 max_shard_size: int = 5 << 30) -> None:
+        self.out, self.config, self.sizes = Path(out), Path(config), dict(sizes)
+        self.shards = shard_plan(self.sizes, max_shard_size)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._stale = [old for old in self.out.iterdir() if _WEIGHTS.fullmatch(old.name) and old.is_file()]
+        self._written = 0
+        self._weight_map: dict[str, str] = {}
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The next shard, ``{name: tensor}`` for the names :attr:`shards` lists for it."""
+        if self._written == len(self.shards):
+            raise CheckpointError(f"{self.out}: all {len(self.shards)} shards are written already")
+        names = self.shards[self._written]
+        if list(tensors) != names:
+            raise CheckpointError(f"{self.out}: shard {self._written + 1} holds {names[:3]}..., given "
+                                  f"{list(tensors)[:3]}...: write the shards in the planned order")
+        for name, tensor in tensors.items():
+            if tensor.nbytes != self.sizes[name]:
+                raise CheckpointError(f"{name}: {tensor.nbytes} bytes, {self.sizes[name]} planned")
+        self._written += 1
+        file = f"model-{self._written:05d}-of-{len(self.shards):05d}.safetensors"
+        write_safetensors(tensors, self.out / file)
+        self._weight_map.update(dict.fromkeys(names, file))
+
+    def close(self) -> Path:
+        """The index and ``config.json`` once every shard is written; the stale weight files removed."""
+        if self._written != len(self.shards):
+            raise CheckpointError(f"{self.out}: {self._written} of {len(self.shards)} shards written; the directory "
+                                  "is incomplete")
+        index = {"metadata": {"total_size": sum(self.sizes.values())},
+                 "weight_map": dict(sorted(self._weight_map.items()))}
+        (self.out / INDEX).write_text(json.dumps(index, indent=2))
+        for old in self._stale:  # once the new weights are all there
+            if old.name not in self._weight_map.values() and old.name != INDEX:
+                old.unlink()
+        if not (self.out / "config.json").exists() or not os.path.samefile(self.config, self.out / "config.json"):
+            shutil.copyfile(self.config, self.out / "config.json")
+        return self.out
 
 
 class ExpertKey(NamedTuple):
@@ -256,6 +305,7 @@ __all__ = [
     "INDEX",
     "SINGLE",
     "STACKED_PARTS",
+    "DirectoryWriter",
     "ExpertKey",
     "SafetensorsFile",
     "expert_key",
@@ -263,6 +313,7 @@ __all__ = [
     "fuse_experts",
     "read_safetensors",
     "shard_files",
+    "shard_plan",
     "write_directory",
     "write_safetensors",
 ]

@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -301,9 +300,10 @@ def _mesh(device: torch.device) -> DeviceMesh:
 def save_pretrained(model: nn.Module, out: str | os.PathLike, max_shard_size: int = 5 << 30) -> None:
     """Write ``model`` (sharded by hp.fully_shard or not) as an HF directory; collective.
 
-    Every rank gathers the full tensors to rank 0 (one at a time, on the CPU), which writes
-    ``config.json`` (and ``generation_config.json``), the safetensors shards and their index
-    with hyperparallel's C++ writer (:mod:`hyperparallel.checkpoint.hf`). Tied weights are
+    Rank 0 writes ``config.json`` (and ``generation_config.json``), the safetensors shards and
+    their index with hyperparallel's C++ writer (:class:`hyperparallel.checkpoint.hf.DirectoryWriter`),
+    one shard file at a time: every rank gathers that file's full tensors to rank 0 (on the CPU),
+    so no rank ever holds more of the model than one file (``max_shard_size``). Tied weights are
     written once, as ``save_pretrained`` does.
 
     Example::
@@ -312,21 +312,33 @@ def save_pretrained(model: nn.Module, out: str | os.PathLike, max_shard_size: in
         AutoModelForCausalLM.from_pretrained("out")
     """
     _reshard(model)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
+    state = get_model_state_dict(model)  # this rank's shards, HF's names
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied -= {name for name, _ in model.named_parameters()}
-    tensors = {name: tensor for name, tensor in state.items() if name not in tied}
-    config = copy.deepcopy(model.config)
-    config.architectures = [_hf_class(model).__name__]
-    out = Path(out)
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items() if name not in tied}
+    writes = not dist.is_initialized() or dist.get_rank() == 0
     with tempfile.TemporaryDirectory() as staging:
+        config = copy.deepcopy(model.config)
+        config.architectures = [_hf_class(model).__name__]
         config.save_pretrained(staging)
-        hf.write_directory(tensors, out, Path(staging) / "config.json", max_shard_size)
+        writer = hf.DirectoryWriter(out, Path(staging) / "config.json", sizes, max_shard_size) if writes else None
+        # Every rank plans the same shards (from the global shapes); only rank 0 keeps what it gathers.
+        for names in hf.shard_plan(sizes, max_shard_size):
+            tensors = {name: _gathered(state[name], writes) for name in names}
+            if writer is not None:
+                writer.write(tensors)
+        if writer is None:
+            return
+        writer.close()
     generation = getattr(model, "generation_config", None)
     if generation is not None and model.can_generate():
         generation.save_pretrained(out)
+
+
+def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """The full tensor on the CPU where ``keep``; collective for a DTensor (every rank calls it)."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().cpu() if keep else None
 
 
 def _reshard(model: nn.Module) -> None:

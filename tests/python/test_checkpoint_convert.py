@@ -125,3 +125,30 @@ def test_convert_errors_name_the_fix(tmp_path, capsys):
     assert main(["from-hf", str(tmp_path / "hf_model"), str(tmp_path / "hf_model")]) == 1
     assert "is a directory that is not a checkpoint" in capsys.readouterr().out
     assert (tmp_path / "hf_model/model.safetensors").exists()
+
+
+def test_to_hf_casts_and_reads_a_shard_at_a_time(tmp_path):
+    """--dtype: the shards are planned at the cast size (a plan at the stored size would refuse the
+    first shard), and each holds the cast weights; a corrupted checkpoint is still refused first."""
+    model = tiny_model()
+    ckpt.save({"model": model.state_dict()}, tmp_path / "ckpt")
+    model.config.to_json_file(tmp_path / "config.json")
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "config.json"),
+                 "--max-shard-size", "20KB", "--dtype", "bfloat16"]) == 0
+    index = json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())
+    expected = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in expected.values())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    written = {}
+    for file in files:
+        written.update(read_safetensors(tmp_path / "hf" / file))
+    assert written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name
+    data = next(p for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--config", str(tmp_path / "config.json")]) == 1
+    assert not (tmp_path / "hf2").exists()

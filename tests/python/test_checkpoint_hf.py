@@ -66,3 +66,26 @@ def test_rows_are_read_alone(tmp_path, dtype):
         assert torch.equal(file.read_rows("t", begin, end), tensor[begin:end]), (begin, end)
     with pytest.raises(ValueError, match="no rows 5:8"):
         file.read_rows("t", 5, 8)
+
+
+def test_directory_writer_takes_the_planned_shards_in_order(tmp_path):
+    tensors = {f"w{i}": torch.full((8,), float(i)) for i in range(5)}  # 32 bytes each
+    writer = hf.DirectoryWriter(tmp_path / "out", tmp_path / "config.json", {n: t.nbytes for n, t in tensors.items()},
+                                max_shard_size=64)
+    assert writer.shards == hf.shard_plan({n: t.nbytes for n, t in tensors.items()}, 64)
+    assert writer.shards == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    with pytest.raises(CheckpointError, match="planned order"):
+        writer.write({"w2": tensors["w2"], "w3": tensors["w3"]})
+    with pytest.raises(CheckpointError, match="bytes, 32 planned"):
+        writer.write({"w0": torch.zeros(4), "w1": tensors["w1"]})
+    writer.write({"w0": tensors["w0"], "w1": tensors["w1"]})
+    with pytest.raises(CheckpointError, match="1 of 3 shards written"):
+        writer.close()
+    (tmp_path / "config.json").write_text("{}")
+    writer.write({"w2": tensors["w2"], "w3": tensors["w3"]})
+    writer.write({"w4": tensors["w4"]})
+    writer.close()
+    read = {}
+    for path in hf.shard_files(tmp_path / "out"):
+        read.update(hf.read_safetensors(path))
+    assert read.keys() == tensors.keys() and all(torch.equal(read[n], t) for n, t in tensors.items())

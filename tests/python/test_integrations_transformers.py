@@ -186,6 +186,28 @@ def test_a_model_loaded_sharded_trains_as_one_loaded_whole(tmp_path, loader):
     _assert_losses_equal(results[0][0], expected)
 
 
+def save_in_shards(out: str) -> None:
+    from hyperparallel.integrations.transformers import save_pretrained, shard_model
+
+    model = make_model("moe")
+    shard_model(model, patch=True)
+    save_pretrained(model, out, max_shard_size=16 << 10)
+
+
+def test_save_pretrained_writes_a_shard_file_at_a_time(tmp_path):
+    """Every rank gathers one safetensors file's tensors at a time to rank 0, which writes it: the
+    files hold the model's weights, tied and stacked as transformers' own save."""
+    run(save_in_shards, WORLD, (str(tmp_path / "hf"),))
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 3 and files[-1].endswith(f"-of-{len(files):05d}.safetensors"), files
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    expected = make_model("moe").state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
 def test_muon_matches_torch_muon_in_one_process(tmp_path):
     """Newton–Schulz (in bf16, as torch's) turns a last-bit change of its input into a visible one
     (test_muon_distributed.py), so here the two runs compute the same gradients bit for bit: each
