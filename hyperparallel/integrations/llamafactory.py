@@ -112,8 +112,10 @@ def check_model(config: dict[str, Any]) -> None:
     if not path:
         raise ConfigError("model_name_or_path: missing; name the HF model (hub name or directory) to fine-tune")
     trust = bool(config.get("trust_remote_code", False))
+    hub = {"cache_dir": config.get("cache_dir"), "revision": config.get("model_revision", "main"),
+           "token": config.get("hf_hub_token")}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=trust),
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=trust, **hub),
                                                  trust_remote_code=trust)
     try:
         decoder_layers(model)
@@ -139,7 +141,8 @@ def meta_load_model(load_model: Callable) -> Callable:
     local safetensors: LlamaFactory changes it as it would the loaded one (config, gradient
     checkpointing, dtypes), then the trainer shards it and each rank reads only its rows. Loaded
     whole on every rank instead, as LlamaFactory does: a vocabulary it resizes (``resize_vocab``,
-    added tokens), a model it does not train, weights that are not safetensors."""
+    added tokens), a model it does not train, weights that are not safetensors. A hub name's
+    files are fetched into the HF cache first, as ``from_pretrained`` would."""
 
     def load(tokenizer, model_args, finetuning_args, is_trainable=False, add_valuehead=False):
         from llamafactory.model import loader
@@ -163,12 +166,10 @@ def _meta_auto_class(auto: type) -> type:
     ``from_pretrained`` builds on the meta device when the weights are local safetensors."""
 
     def from_pretrained(pretrained_model_name_or_path, *args, config=None, torch_dtype="auto", **kwargs):
-        directory = Path(pretrained_model_name_or_path)
-        if args or config is None or kwargs.get("quantization_config") is not None:
-            return auto.from_pretrained(pretrained_model_name_or_path, *args, config=config, torch_dtype=torch_dtype,
-                                        **kwargs)
-        if not _has_safetensors(directory):
-            log.info("%s: no local safetensors: the model is loaded whole on every rank", directory)
+        directory = None
+        if not args and config is not None and kwargs.get("quantization_config") is None:
+            directory = _safetensors_directory(pretrained_model_name_or_path, kwargs)
+        if directory is None:
             return auto.from_pretrained(pretrained_model_name_or_path, *args, config=config, torch_dtype=torch_dtype,
                                         **kwargs)
         return from_pretrained_meta(directory, config=config, dtype=_dtype(config, torch_dtype),
@@ -178,8 +179,20 @@ def _meta_auto_class(auto: type) -> type:
                                     "from_config": staticmethod(auto.from_config)})
 
 
-def _has_safetensors(directory: Path) -> bool:
-    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+def _safetensors_directory(name: str | os.PathLike, kwargs: dict[str, Any]) -> Path | None:
+    """The local directory of model ``name``'s safetensors: ``name`` itself, or for a hub name its
+    snapshot in the HF cache (its JSON and safetensors files fetched there as from_pretrained
+    would, every rank sharing the one download); None when the weights are not safetensors."""
+    directory = Path(name)
+    if not directory.is_dir():
+        from huggingface_hub import snapshot_download
+
+        directory = Path(snapshot_download(str(name), revision=kwargs.get("revision"), cache_dir=kwargs.get(
+            "cache_dir"), token=kwargs.get("token"), allow_patterns=["*.json", "*.safetensors"]))
+    if (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file():
+        return directory
+    log.warning("%s has no safetensors: the model is loaded whole on every rank", name)
+    return None
 
 
 def _dtype(config, torch_dtype):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -51,7 +52,19 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
-def write_config(path: Path, model: Path, out: Path, *, hyperparallel: dict | None = None, **overrides) -> Path:
+@pytest.fixture(scope="module")
+def hub_cache(tiny_model, tmp_path_factory) -> Path:
+    """An HF cache holding tiny_model as hub repo ``hp-test/tiny-qwen3-moe`` (huggingface_hub's
+    layout: refs/main names the snapshot), for a config naming the model as on the hub."""
+    cache = tmp_path_factory.mktemp("hub")
+    repo, commit = cache / "models--hp-test--tiny-qwen3-moe", "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny_model, repo / "snapshots" / commit)
+    return cache
+
+
+def write_config(path: Path, model: Path | str, out: Path, *, hyperparallel: dict | None = None, **overrides) -> Path:
     """The example config with this test's model and output; our section replaced (or dropped: None)."""
     config = yaml.safe_load(EXAMPLE.read_text())
     config.update(model_name_or_path=str(model), output_dir=str(out), **overrides)
@@ -77,10 +90,11 @@ def losses(out: Path) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
-def test_sft_trains_and_saves_a_loadable_model(tiny_model, tmp_path):
+def test_sft_trains_and_saves_a_loadable_model(tiny_model, hub_cache, tmp_path):
+    """The model named as on the hub, from the HF cache (offline)."""
     out = tmp_path / "hp"
-    config = write_config(tmp_path / "hp.yaml", tiny_model, out, hyperparallel=yaml.safe_load(EXAMPLE.read_text())[
-        "hyperparallel"])
+    config = write_config(tmp_path / "hp.yaml", "hp-test/tiny-qwen3-moe", out, cache_dir=str(hub_cache),
+                          hyperparallel=yaml.safe_load(EXAMPLE.read_text())["hyperparallel"])
     assert loaded_by_rows(_ok(hp_train(config)))
     got = losses(out)
     assert len(got) == 20
