@@ -30,8 +30,6 @@ void device_reduce(void* out, DType out_dtype, const std::vector<const void*>& i
   if (inputs.empty() || int(inputs.size()) > dr::kMaxPeers)
     throw std::invalid_argument("device_reduce: " + std::to_string(inputs.size()) + " inputs; 1 to " +
                                 std::to_string(dr::kMaxPeers) + " are supported");
-  if (dtype == DType::F32 && out_dtype != DType::F32)
-    throw std::invalid_argument("device_reduce: fp32 sources need an fp32 output");
   dr::Args args;
   args.peers = int(inputs.size());
   for (int p = 0; p < args.peers; ++p) {
@@ -69,8 +67,10 @@ void device_reduce(void* out, DType out_dtype, const std::vector<const void*>& i
     if (args.segments == 0) break;
     const uint64_t tiles = dr::plan_tiles(args, vector);
     if (tiles > 0x7fffffffu) throw std::invalid_argument("device_reduce: too many elements for one launch");
-    if (dtype == DType::F32)
+    if (dtype == DType::F32 && out_dtype == DType::F32)
       launch<float, float>(args, tiles, cuda_stream);
+    else if (dtype == DType::F32)
+      launch<float, dr::bf16_bits>(args, tiles, cuda_stream);
     else if (out_dtype == DType::F32)
       launch<dr::bf16_bits, float>(args, tiles, cuda_stream);
     else

@@ -148,6 +148,12 @@ HP_HD void store_vector(const Args& args, const Segment& segment, uint64_t e, co
       memcpy(reinterpret_cast<char*>(out) + 16 * piece, reinterpret_cast<const char*>(result) + 16 * piece, 16);
 #endif
     }
+  } else if constexpr (sizeof(result) == 8) {  // fp32 into bf16: 8-byte aligned, as the input is 16
+#if defined(__CUDA_ARCH__)
+    *reinterpret_cast<uint64_t*>(out) = *reinterpret_cast<const uint64_t*>(result);
+#else
+    memcpy(out, result, 8);
+#endif
   } else {
     memcpy(out, result, sizeof result);
   }
@@ -174,7 +180,7 @@ HP_HD void reduce_thread(const Args& args, uint64_t block, unsigned thread) {
       if (k < mine) reduce_element<In, Out>(args, segment, s.head + first + uint64_t(k) * kThreads);
     }
   } else if (mine > 0) {
-    float sum[kUnitsPerThread][kWidth];
+    float sum[kUnitsPerThread][kWidth] = {};  // set by peer 0 (zeroed only for the host compiler's sake)
     for (int p = 0; p < args.peers; ++p) {
       Bytes16 bytes[kUnitsPerThread]{};
       HP_UNROLL for (unsigned k = 0; k < kUnitsPerThread; ++k) {

@@ -15,12 +15,14 @@ struct Table {
   decltype(&baseline::reduce_rows<float, float>) f32;
   decltype(&baseline::reduce_rows<simd::bf16, simd::bf16>) bf16;
   decltype(&baseline::reduce_rows<simd::bf16, float>) bf16_to_f32;
+  decltype(&baseline::reduce_rows<float, simd::bf16>) f32_to_bf16;
 };
 
 const Table& table() {
   static const Table chosen{HP_SIMD_PICK(kernels, reduce_rows<float, float>),
                             HP_SIMD_PICK(kernels, reduce_rows<simd::bf16, simd::bf16>),
-                            HP_SIMD_PICK(kernels, reduce_rows<simd::bf16, float>)};
+                            HP_SIMD_PICK(kernels, reduce_rows<simd::bf16, float>),
+                            HP_SIMD_PICK(kernels, reduce_rows<float, simd::bf16>)};
   return chosen;
 }
 
@@ -42,8 +44,11 @@ void reduce(void* out, DType out_dtype, const void* const* srcs, int count, std:
   if (count < 1) throw std::invalid_argument("reduce: needs at least one source");
   const kernels::Table& k = kernels::table();
   if (dtype == DType::F32) {
-    if (out_dtype != DType::F32) throw std::invalid_argument("reduce: fp32 sources need an fp32 output");
-    k.f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(srcs), count, n, scale);
+    auto* f32_srcs = reinterpret_cast<const float* const*>(srcs);
+    if (out_dtype == DType::F32)
+      k.f32(static_cast<float*>(out), f32_srcs, count, n, scale);
+    else
+      k.f32_to_bf16(static_cast<simd::bf16*>(out), f32_srcs, count, n, scale);
     return;
   }
   auto* bf16_srcs = reinterpret_cast<const simd::bf16* const*>(srcs);

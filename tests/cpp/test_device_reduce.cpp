@@ -145,6 +145,10 @@ TEST(DeviceReduce, Bf16IntoFp32KeepsTheSum) {
   for (unsigned seed = 0; seed < 3; ++seed) check_random_launch<uint16_t, float>(seed, 2 + seed, 12, 0.5f);
 }
 
+TEST(DeviceReduce, Fp32IntoBf16RoundsTheSumOnce) {
+  for (unsigned seed = 0; seed < 3; ++seed) check_random_launch<float, uint16_t>(seed, 2 + seed, 12, 0.5f);
+}
+
 TEST(DeviceReduce, MatchesTheCpuReduceBitForBit) {
   // The device kernel and comm::reduce must agree, so that a job's result
   // does not depend on where it ran.

@@ -80,6 +80,26 @@ TEST(Reduce, BFloat16WidensSumsAndRoundsOnceToNearestEven) {
   }
 }
 
+TEST(Reduce, Float32IntoBFloat16RoundsTheSumOnce) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal;
+  const std::size_t n = 4099;
+  const int count = 3;
+  std::vector<std::vector<float>> srcs(count, std::vector<float>(n));
+  std::vector<const void*> pointers;
+  for (auto& src : srcs) {
+    for (auto& x : src) x = normal(rng);
+    pointers.push_back(src.data());
+  }
+  std::vector<uint16_t> out(n);
+  reduce(out.data(), DType::BF16, pointers.data(), count, n, DType::F32, 0.5f);
+  for (std::size_t i = 0; i < n; ++i) {
+    float sum = 0;
+    for (int s = 0; s < count; ++s) sum += srcs[s][i];
+    ASSERT_EQ(out[i], to_bf16_reference(sum * 0.5f)) << i;
+  }
+}
+
 TEST(Reduce, BFloat16KeepsNaNAndInfinity) {
   uint16_t nan = to_bf16_reference(std::numeric_limits<float>::quiet_NaN());
   uint16_t inf = to_bf16_reference(std::numeric_limits<float>::infinity());

@@ -231,6 +231,11 @@ def mixed_precision() -> dict:
         model = shard(make_model(), how, mp_policy=policy)
         out[how] = train(model, batches(world, 8), rank, world)
         assert all(p.dtype == torch.float32 for p in model.parameters())
+        # bf16 parameters too (a model loaded in bf16): gradients reduced in fp32, rounded once
+        # into the bf16 shards.
+        model = shard(make_model().to(torch.bfloat16), how, mp_policy=policy)
+        out[how + " bf16 parameters"] = train(model, batches(world, 8), rank, world)
+        assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in model.parameters() if p.grad is not None)
     return out
 
 
@@ -243,6 +248,10 @@ def test_bf16_mixed_precision_tracks_torch_fsdp2():
         assert max(abs(a - b) for a, b in zip(result["hp"], result["torch"])) <= 3e-2
         assert max(abs(a - b) for a, b in zip(result["hp"], fp32_losses)) <= 5e-2
         assert result["hp"] != fp32_losses  # it did compute in bf16
+        # bf16 parameters: the same, and AdamW's updates round into bf16 on both sides.
+        hp_bf16, torch_bf16 = result["hp bf16 parameters"], result["torch bf16 parameters"]
+        assert max(abs(a - b) for a, b in zip(hp_bf16, torch_bf16)) <= 3e-2, (hp_bf16, torch_bf16)
+        assert hp_bf16[-1] < hp_bf16[0] - 0.5  # it trains
 
 
 # -- state dicts ------------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ Range chunk(std::size_t rows, int parts, int index);
 // out[i] = scale * (srcs[0][i] + srcs[1][i] + ... + srcs[count-1][i]),
 // summed in source order in fp32 (bf16 inputs are widened, the sum rounded
 // once to nearest-even). Reads each source element once. `out` may alias a
-// source. `out_dtype` is `dtype`, or F32 to keep a bf16 sum unrounded (for
-// sums that continue elsewhere, e.g. across nodes).
+// source. `out_dtype` is `dtype`; F32 keeps a bf16 sum unrounded (for sums
+// that continue elsewhere, e.g. across nodes); BF16 rounds an fp32 sum once
+// (bf16 parameters whose gradients are reduced in fp32).
 void reduce(void* out, const void* const* srcs, int count, std::size_t n, DType dtype, float scale);
 void reduce(void* out, DType out_dtype, const void* const* srcs, int count, std::size_t n, DType dtype, float scale);
 
