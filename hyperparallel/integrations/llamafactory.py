@@ -35,6 +35,7 @@ a ``model_name_or_path`` whose model hp cannot shard (no ``model.layers``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperparallel._log import log
+from hyperparallel.checkpoint import hf
 from hyperparallel.integrations.transformers import HPArguments, HPTrainerMixin, from_pretrained_meta
 
 USAGE = "usage: torchrun --nproc-per-node N -m hyperparallel.integrations.llamafactory CONFIG.yaml [key=value ...]"
@@ -187,9 +189,16 @@ def _safetensors_directory(name: str | os.PathLike, kwargs: dict[str, Any]) -> P
     if not directory.is_dir():
         from huggingface_hub import snapshot_download
 
-        directory = Path(snapshot_download(str(name), revision=kwargs.get("revision"), cache_dir=kwargs.get(
-            "cache_dir"), token=kwargs.get("token"), allow_patterns=["*.json", "*.safetensors"]))
-    if (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file():
+        def fetch(patterns: list[str]) -> Path:
+            return Path(snapshot_download(str(name), revision=kwargs.get("revision"), cache_dir=kwargs.get(
+                "cache_dir"), token=kwargs.get("token"), allow_patterns=patterns))
+
+        # The JSON files, then the weight files the index names (or the single file): what
+        # from_pretrained fetches, not every safetensors file of the repo (consolidated.* ...).
+        directory = fetch(["*.json"])
+        index = directory / hf.INDEX
+        fetch(sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [hf.SINGLE])
+    if (directory / hf.SINGLE).is_file() or (directory / hf.INDEX).is_file():
         return directory
     log.warning("%s has no safetensors: the model is loaded whole on every rank", name)
     return None

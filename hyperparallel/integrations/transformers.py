@@ -158,8 +158,10 @@ def shard_model(
     warning), then ``hp.fully_shard`` on each decoder layer and on the root, over a mesh of
     every rank on the device the parameters are on (HSDP across nodes). ``bf16``: bf16
     compute with fp32 gradient reduction (``hp.MixedPrecisionPolicy``). ``device``: where a model
-    built on the meta device is sharded to (default: where the parameters are). Call it yourself
-    to build an optimizer on the sharded parameters before making the trainer.
+    built on the meta device is sharded to (default: where the parameters are; for a meta model,
+    this rank's device, ``hp.comm.device()``); a :func:`from_pretrained_meta` model is then
+    filled, each rank reading its rows of the weights. Call it yourself to build an optimizer on
+    the sharded parameters before making the trainer.
 
     Returns the patch report, or None without ``patch``.
 
@@ -186,7 +188,10 @@ def shard_model(
             log.info("%s", report)
         except TypeError as error:
             log.warning("patch: %s; training with the model's own modules", error)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    meta = _unfilled(model)
+    if device is None:
+        device = hp.comm.device() if meta else next(model.parameters()).device
+    device = torch.device(device)
     mesh = _mesh(device)
     policy = (
         hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
@@ -200,6 +205,10 @@ def shard_model(
     for layer in layers:
         hp.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     hp.fully_shard(model, mesh=mesh, mp_policy=policy)
+    if meta:
+        log.info("%s built on the meta device: sharded, then each rank reads its rows of %s",
+                 type(model).__name__, model._hp_weights)
+        _fill(model, device)
     return report
 
 
@@ -226,7 +235,6 @@ def from_pretrained(
         device = hp.comm.device() if device.index is None else device
         torch.cuda.set_device(device)
     shard_model(model, patch=patch, bf16=bf16, device=device)
-    _fill(model, device)
     return model
 
 
@@ -253,6 +261,12 @@ def from_pretrained_meta(
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json: pass a local HF model directory")
+    if not (directory / hf.SINGLE).is_file() and not (directory / hf.INDEX).is_file():
+        raise FileNotFoundError(
+            f"{directory} has no safetensors weights ({hf.SINGLE} or {hf.INDEX}), which each rank reads its rows "
+            "of: save the model with transformers' save_pretrained (safetensors by default), or load it whole with "
+            "AutoModelForCausalLM.from_pretrained"
+        )
     if config is None:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     config._name_or_path = str(directory)  # as from_pretrained leaves it
@@ -261,20 +275,20 @@ def from_pretrained_meta(
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
     model._hp_weights = directory
-    return model.eval()  # as from_pretrained returns it
+    return model
 
 
-def _on_meta(model: nn.Module) -> bool:
-    """Whether ``model`` has no values yet (:func:`from_pretrained_meta`'s); a meta model with no
-    directory to fill it from is refused."""
-    if not any(p.is_meta for p in model.parameters()):
-        return False
-    if getattr(model, "_hp_weights", None) is None:
+def _unfilled(model: nn.Module) -> bool:
+    """Whether ``model`` is :func:`from_pretrained_meta`'s and has no values yet (sharded or
+    not); any other model with parameters on the meta device is refused."""
+    if getattr(model, "_hp_weights", None) is not None:
+        return True
+    if any(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"hyperparallel: {type(model).__name__} is on the meta device with no weights to load: build it with "
             "hyperparallel.integrations.transformers.from_pretrained_meta(directory), or give it values"
         )
-    return True
+    return False
 
 
 def _fill(model: nn.Module, device: torch.device) -> None:
@@ -318,27 +332,50 @@ def save_pretrained(model: nn.Module, out: str | os.PathLike, max_shard_size: in
     sizes = {name: t.numel() * t.element_size() for name, t in state.items() if name not in tied}
     writes = not dist.is_initialized() or dist.get_rank() == 0
     with tempfile.TemporaryDirectory() as staging:
-        config = copy.deepcopy(model.config)
-        config.architectures = [_hf_class(model).__name__]
-        config.save_pretrained(staging)
-        writer = hf.DirectoryWriter(out, Path(staging) / "config.json", sizes, max_shard_size) if writes else None
+        def start() -> hf.DirectoryWriter:
+            config = copy.deepcopy(model.config)
+            config.architectures = [_hf_class(model).__name__]
+            config.save_pretrained(staging)
+            return hf.DirectoryWriter(out, Path(staging) / "config.json", sizes, max_shard_size)
+
+        writer = _on_rank0(writes, start)
         # Every rank plans the same shards (from the global shapes); only rank 0 keeps what it gathers.
         for names in hf.shard_plan(sizes, max_shard_size):
             tensors = {name: _gathered(state[name], writes) for name in names}
-            if writer is not None:
-                writer.write(tensors)
-        if writer is None:
-            return
-        writer.close()
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(out)
+            _on_rank0(writes, lambda tensors=tensors: writer.write(tensors))
+        _on_rank0(writes, lambda: writer.close())
+
+    def finish() -> None:
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(out)
+
+    _on_rank0(writes, finish)
 
 
 def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
     """The full tensor on the CPU where ``keep``; collective for a DTensor (every rank calls it)."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return full.detach().cpu() if keep else None
+
+
+def _on_rank0(here: bool, action):
+    """``action()`` where ``here`` (rank 0), its failure raised on every rank: the others would
+    otherwise wait for rank 0 in the next gather. Collective."""
+    result, error = None, None
+    if here:
+        try:
+            result = action()
+        except Exception as raised:  # noqa: BLE001 (re-raised below, on every rank)
+            error = raised
+    if dist.is_initialized():
+        said = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(said, src=0)
+        if error is None and said[0] is not None:
+            raise RuntimeError(f"hyperparallel: rank 0 failed writing the HF directory: {said[0]}")
+    if error is not None:
+        raise error
+    return result
 
 
 def _reshard(model: nn.Module) -> None:
@@ -436,15 +473,12 @@ class HPTrainerMixin:
 
     def _shard(self, model: nn.Module) -> hp.nn.PatchReport | None:
         if isinstance(model, hp.FSDPModule):
+            if _unfilled(model):  # sharded by hp.fully_shard itself
+                _fill(model, self.args.device)
             return None
         _check_model(model)
-        if not _on_meta(model):
-            return shard_model(model, patch=self.hp_args.patch, bf16=self.args.bf16)
-        log.info("%s built on the meta device: sharded, then each rank reads its rows of %s",
-                 type(model).__name__, model._hp_weights)
-        report = shard_model(model, patch=self.hp_args.patch, bf16=self.args.bf16, device=self.args.device)
-        _fill(model, self.args.device)
-        return report
+        return shard_model(model, patch=self.hp_args.patch, bf16=self.args.bf16,
+                           device=self.args.device if _unfilled(model) else None)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -457,7 +491,7 @@ class HPTrainerMixin:
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         # The shards stay where hp.fully_shard put them; a meta model is sharded onto the device.
-        if not isinstance(model, hp.FSDPModule) and not _on_meta(model):
+        if not isinstance(model, hp.FSDPModule) and not _unfilled(model):
             super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None):

@@ -55,10 +55,13 @@ class Trainer:
         self.device = model_lib.rank_device(resolve_device(cfg))
         if self.device.type == "cuda" and self.estimate_bytes is None and self.rank == 0:
             # The launcher leaves the GPU estimate to this rank, which has a CUDA context (the
-            # trace makes one). Before the model: its build seeds the generators afresh.
+            # trace makes one).
             self.estimate_bytes = estimate_lib.allocated_or_none(cfg, self.world)
         mesh = model_lib.build_mesh(self.device.type)
         self.model = model_lib.build_sharded(cfg, mesh, self.device)
+        # Every rank's generators start the run alike, from the seed, whatever the estimate drew
+        # (the build draws from its own, given back after).
+        torch.manual_seed(cfg.model.seed)
         self.params = model_lib.count_params(self.model)
         self.optimizers = optim_lib.build(self.model, cfg)
         self.loader = TokenLoader(

@@ -208,6 +208,42 @@ def test_save_pretrained_writes_a_shard_file_at_a_time(tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
+def meta_then_blocked_save(directory: str, blocked: str):
+    from hyperparallel.integrations.transformers import from_pretrained_meta, save_pretrained, shard_model
+
+    model = from_pretrained_meta(directory)
+    assert model.training  # as from_config leaves it; HF's from_pretrained would give eval mode
+    shard_model(model)  # no device: this rank's
+    full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+    try:
+        save_pretrained(model, blocked)
+    except Exception as error:  # noqa: BLE001 (returned for the test to read)
+        return full, f"{type(error).__name__}: {error}"
+    return full, None
+
+
+def test_a_meta_model_sharded_by_hand_is_filled_and_a_failed_save_fails_every_rank(tmp_path):
+    """shard_model fills a from_pretrained_meta model (what the optimizer refusal tells users to call).
+    A save rank 0 cannot write raises on every rank instead of leaving the others in a gather."""
+    make_model("moe").save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "blocked").write_text("a file where the directory should go")
+    results = run(meta_then_blocked_save, WORLD, (str(tmp_path / "pretrained"), str(tmp_path / "blocked")))
+    expected = make_model("moe").state_dict()
+    for full, _ in results.values():
+        assert full.keys() <= expected.keys()
+        for name, tensor in full.items():
+            assert torch.equal(tensor, expected[name]), name
+    assert results[0][1].startswith(("FileExistsError", "NotADirectoryError")), results[0][1]
+    assert "rank 0 failed writing the HF directory" in results[1][1], results[1][1]
+
+    from hyperparallel.integrations.transformers import from_pretrained_meta
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "pretrained" / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no safetensors weights .* save_pretrained"):
+        from_pretrained_meta(tmp_path / "bin")
+
+
 def test_muon_matches_torch_muon_in_one_process(tmp_path):
     """Newton–Schulz (in bf16, as torch's) turns a last-bit change of its input into a visible one
     (test_muon_distributed.py), so here the two runs compute the same gradients bit for bit: each
