@@ -2,7 +2,8 @@
 
 ``to-hf CKPT OUT --config config.json`` gathers the model tensors of a
 checkpoint (any world size it was saved at) in one process, one safetensors
-shard's at a time, and writes an HF directory: ``config.json``, ``model-0000i-of-0000n.safetensors`` shards and
+shard's at a time, and writes an HF directory: ``config.json``,
+``model-0000i-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json``, loadable by
 ``transformers.AutoModelForCausalLM.from_pretrained``. ``from-hf HF_DIR OUT``
 writes a checkpoint holding ``{"model": <HF weights>}`` (per-expert Qwen3-MoE
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 from pathlib import Path
 
 import torch
 
 from hyperparallel.checkpoint import hf
-from hyperparallel.checkpoint._api import METADATA, load, load_verified, save, verify
+from hyperparallel.checkpoint._api import METADATA, load_verified, save, verify
 from hyperparallel.checkpoint._storage import CheckpointError, Reader
 from hyperparallel.checkpoint.hf import read_safetensors, write_safetensors  # also this module's API
 
@@ -36,14 +36,6 @@ def _parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"cannot read size {text!r}: use e.g. 5GB, 500MB or 1048576")
     return int(float(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2)])
-
-
-def model_tensors(checkpoint: str | os.PathLike, prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """The full tensors under ``prefix`` of a checkpoint, loaded in this process (keys without the prefix)."""
-    entries = _model_entries(Path(checkpoint), prefix)
-    state = {prefix + name: torch.empty(size, dtype=dtype) for name, (size, dtype) in entries.items()}
-    load(state, checkpoint)
-    return {fqn[len(prefix):]: tensor for fqn, tensor in state.items()}
 
 
 def _model_entries(checkpoint: Path, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -142,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-__all__ = ["from_hf", "main", "model_tensors", "read_safetensors", "to_hf", "write_safetensors"]
+__all__ = ["from_hf", "main", "read_safetensors", "to_hf", "write_safetensors"]
