@@ -55,6 +55,11 @@ _PER_EXPERT = re.compile(r"^(?P<stack>.+\.experts)\.(?P<index>\d+)\.(?P<part>gat
 STACKED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+def has_safetensors(directory: str | os.PathLike) -> bool:
+    """Whether HF directory ``directory`` holds its weights as safetensors (``model.safetensors`` or the index)."""
+    return (Path(directory) / INDEX).is_file() or (Path(directory) / SINGLE).is_file()
+
+
 def shard_files(directory: str | os.PathLike) -> list[Path]:
     """The safetensors files of HF directory ``directory``: the index's shards, or ``model.safetensors``."""
     directory = Path(directory)
@@ -311,6 +316,7 @@ __all__ = [
     "expert_key",
     "expert_rows",
     "fuse_experts",
+    "has_safetensors",
     "read_safetensors",
     "shard_files",
     "shard_plan",

@@ -35,7 +35,6 @@ a ``model_name_or_path`` whose model hp cannot shard (no ``model.layers``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -196,9 +195,8 @@ def _safetensors_directory(name: str | os.PathLike, kwargs: dict[str, Any]) -> P
         # The JSON files, then the weight files the index names (or the single file): what
         # from_pretrained fetches, not every safetensors file of the repo (consolidated.* ...).
         directory = fetch(["*.json"])
-        index = directory / hf.INDEX
-        fetch(sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [hf.SINGLE])
-    if (directory / hf.SINGLE).is_file() or (directory / hf.INDEX).is_file():
+        fetch([path.name for path in hf.shard_files(directory)] if (directory / hf.INDEX).is_file() else [hf.SINGLE])
+    if hf.has_safetensors(directory):
         return directory
     log.warning("%s has no safetensors: the model is loaded whole on every rank", name)
     return None

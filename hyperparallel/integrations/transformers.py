@@ -261,7 +261,7 @@ def from_pretrained_meta(
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json: pass a local HF model directory")
-    if not (directory / hf.SINGLE).is_file() and not (directory / hf.INDEX).is_file():
+    if not hf.has_safetensors(directory):
         raise FileNotFoundError(
             f"{directory} has no safetensors weights ({hf.SINGLE} or {hf.INDEX}), which each rank reads its rows "
             "of: save the model with transformers' save_pretrained (safetensors by default), or load it whole with "
