@@ -180,7 +180,8 @@ void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   if (sharded_grad_buffer_.defined() && sharded_grad_buffer_.storage().use_count() == 1) {
     output = sharded_grad_buffer_;  // nothing holds the last step's gradients
   } else {
-    // HSDP: the flags travel in the output's tail, in the all-reduce of the shard.
+    // HSDP: the flags travel in the output's tail, in the all-reduce of the
+    // shard (in a sum of their own where that is in another dtype).
     const int64_t tail = options_.replicate ? int64_t(grads.size()) : 0;
     output = at::empty({shard_elems_ + tail}, at::TensorOptions().dtype(dtype_));
     sharded_grad_buffer_ = output;
@@ -197,6 +198,12 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   comm::Window& read = compute_ ? *compute_ : params_;
   comm::Window& window = grad_windows_.next();
   const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
+  // HSDP sums across nodes in the reduce dtype, as FSDP2 does: the node's sum
+  // stays in it, flags in its tail, and is cast to the shards' dtype once,
+  // after the nodes' all-reduce (bf16 shards with an fp32 reduce round once).
+  at::Tensor sum = options_.replicate && grad_dtype != dtype_
+                       ? at::empty({shard_elems_ + int64_t(grads.size())}, at::TensorOptions().dtype(grad_dtype))
+                       : output;
   node.acquire(window);  // peers are done with the last group that used it
   at::Tensor mine = over(window, window.slot(node.rank()), total_elems_, grad_dtype);
   auto flags = [&](int rank) { return static_cast<uint8_t*>(window.slot(rank)) + flags_at_; };
@@ -218,24 +225,25 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   std::vector<uint8_t> any(grads.size(), 0);
   for (int r = 0; r < node.size(); ++r)
     for (std::size_t i = 0; i < grads.size(); ++i) any[i] |= flags(r)[i];
-  const std::size_t out_size = c10::elementSize(dtype_);
+  const std::size_t out_size = c10::elementSize(sum.scalar_type());
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const comm::Range rows = shard_rows_[i];
     const comm::Range elems{std::size_t(offsets_[i] + rows.begin * row_elems_[i]),
                             std::size_t(offsets_[i] + rows.end * row_elems_[i])};
-    void* out = static_cast<char*>(output.data_ptr()) + shard_offsets_[i] * out_size;
-    node.reduce_rows(window, elems, comm::dtype_of(grad_dtype), scale, out, comm::dtype_of(dtype_));
+    void* out = static_cast<char*>(sum.data_ptr()) + shard_offsets_[i] * out_size;
+    node.reduce_rows(window, elems, comm::dtype_of(grad_dtype), scale, out, comm::dtype_of(sum.scalar_type()));
   }
   node.release(window);
   if (options_.replicate) {
-    at::Tensor tail = output.narrow(0, shard_elems_, int64_t(any.size()));
+    at::Tensor tail = sum.narrow(0, shard_elems_, int64_t(any.size()));
     tail.copy_(at::from_blob(any.data(), {int64_t(any.size())}, at::TensorOptions().dtype(at::kByte)));
-    if (!all_reduce_across_nodes(output, *options_.replicate, all_reduce)) {
+    if (!all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
       any_grad_.assign(any.size(), 0);  // held, flags included, until a backward that all-reduces
       return;
     }
     at::Tensor seen = tail.ne(0).to(at::kByte);  // a sum of 0s and 1s, non-zero where any node had one
     std::copy_n(seen.const_data_ptr<uint8_t>(), any.size(), any.begin());
+    if (!sum.is_same(output)) output.narrow(0, 0, shard_elems_).copy_(sum.narrow(0, 0, shard_elems_));
   }
   any_grad_ = std::move(any);
 }

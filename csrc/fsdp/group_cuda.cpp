@@ -407,14 +407,21 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
   c10::StreamGuard on(state_.reduce_scatter);  // the ATen casts below run there too
   const StreamHandle stream = handle(state_.reduce_scatter);
   grads_at_.wait(stream);
+  // HSDP sums across nodes in the reduce dtype, as FSDP2 does: the node's sum
+  // stays in it and is cast to the shards' dtype once, after the nodes'
+  // all-reduce (bf16 shards with an fp32 reduce round once).
+  at::Tensor sum = options_.replicate && grad_dtype_ != dtype_
+                       ? at::empty({layout_.shard_capacity}, output.options().dtype(grad_dtype_))
+                       : output;
   if (ranks() == 1) {
-    reduce_alone(grads, output, scale);
+    reduce_alone(grads, sum, scale);
   } else {
-    reduce_window(grads, output, scale, stream);
+    reduce_window(grads, sum, scale, stream);
   }
   if (options_.replicate) {
     // has_grad_ is this rank's own (see gpu.md); a held reduction's count at the next one.
-    if (all_reduce_across_nodes(output, *options_.replicate, all_reduce)) {
+    if (all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
+      if (!sum.is_same(output)) output.copy_(sum);
       for (std::size_t i = 0; i < held_grad_.size(); ++i) has_grad_[i] = has_grad_[i] || held_grad_[i];
       held_grad_.clear();
     } else {
@@ -429,7 +436,7 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
 void CudaParamGroup::reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
                                   float scale) {
   // What the window's kernel computes for one input: each gradient rounded
-  // to the reduce dtype, times the scale, rounded to the shard's dtype.
+  // to the reduce dtype, times the scale, rounded to the output's dtype.
   for (std::size_t i = 0; i < grads.size(); ++i) {
     at::Tensor rows = output.narrow(0, layout_.shard_offset[0][i], layout_.numel[i]);
     if (!grads[i]) {
@@ -470,14 +477,9 @@ void CudaParamGroup::reduce_window(const std::vector<std::optional<at::Tensor>>&
         comm::ReduceSegment{uint64_t(src), uint64_t(layout_.shard_offset[rank()][i]), uint64_t(layout_.shard_numel(rank(), i))});
   }
   std::vector<const void*> inputs(window.memory->peers().begin(), window.memory->peers().end());
-  // The kernel narrows nothing from fp32: an fp32 reduction for bf16
-  // parameters lands in fp32 first.
-  const bool narrowing = grad_dtype_ == at::kFloat && dtype_ != at::kFloat;
-  at::Tensor target = narrowing ? at::empty({layout_.shard_capacity}, output.options().dtype(at::kFloat)) : output;
-  comm::device_reduce(target.data_ptr(), comm::dtype_of(target.scalar_type()), inputs, comm::dtype_of(grad_dtype_),
+  comm::device_reduce(output.data_ptr(), comm::dtype_of(output.scalar_type()), inputs, comm::dtype_of(grad_dtype_),
                       segments, scale, stream);
   window.done->post(stream);
-  if (narrowing) output.copy_(target);
 }
 
 std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {

@@ -173,6 +173,66 @@ def test_hsdp_2x2_equals_fsdp_over_4():
         assert_params_close(hp_params, expected_params, 3e-5)
 
 
+class Product(nn.Module):
+    """``(w * x).sum()``: w's gradient is x itself, in any dtype that holds x."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(37, 5, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def product_input(rank: int) -> torch.Tensor:
+    """bf16 values of magnitude in [0.5, 2): any four of them sum exactly in fp32."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    magnitude = torch.rand(37, 5, generator=generator) * 1.5 + 0.5
+    sign = torch.randint(0, 2, (37, 5), generator=generator) * 2 - 1
+    return (magnitude * sign).to(torch.bfloat16)
+
+
+def hsdp_bf16_gradients(hows: tuple[str, ...], device_type: str = "cpu") -> dict[str, torch.Tensor]:
+    """One backward of :class:`Product` with bf16 parameters and an fp32 reduce, under HSDP on
+    ``device_type``, for each of ``hows`` ("hp", "torch"); returns this rank's gradient shards."""
+    torch.set_num_threads(1)
+    hp.comm.init()
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = hp.comm.device()
+        torch.cuda.set_device(device)
+    topology = hp.comm.get().topology
+    mesh = init_device_mesh(device.type, (topology.num_nodes, topology.local_world_size),
+                            mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    grads = {}
+    for how in hows:
+        model = Product(torch.bfloat16).to(device)
+        (hp.fully_shard if how == "hp" else torch_fully_shard)(model, mesh=mesh, mp_policy=policy)
+        model(product_input(dist.get_rank()).to(device)).backward()
+        grads[how] = model.w.grad.to_local().cpu()
+    return grads
+
+
+def assert_hsdp_rounds_once(results: dict, nodes: int, per_node: int, how: str) -> None:
+    """The gradient is the fp32 mean over every rank of every node, rounded to bf16 once (FSDP2's:
+    reduce-scatter and all-reduce in the reduce dtype, then the cast). Rounding each node's mean
+    to bf16 before the nodes' sum would round twice and miss it in some elements."""
+    world = nodes * per_node
+    exact = sum(product_input(rank).float() for rank in range(world)) / world
+    expected = exact.to(torch.bfloat16)
+    for node in range(nodes):
+        got = torch.cat([results[node * per_node + local][how] for local in range(per_node)])
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, expected), f"{how}, node {node}: {(got != expected).sum()} of {got.numel()} differ"
+
+
+def test_hsdp_bf16_parameters_reduce_across_nodes_in_fp32():
+    results = run(hsdp_bf16_gradients, nproc=2, nnodes=2, args=(("hp", "torch"),))
+    for how in ("hp", "torch"):
+        assert_hsdp_rounds_once(results, nodes=2, per_node=2, how=how)
+
+
 # -- frozen, tied and unused parameters; gradient accumulation ------------------------------------
 class WithExtras(nn.Module):
     """Tied embeddings, a frozen norm, and a parameter the forward never uses."""
