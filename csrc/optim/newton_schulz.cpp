@@ -364,7 +364,19 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
       const bool batch_is_xt = tall && step == 0;
       if (emulated && !batch_is_xt)
         for (int64_t i = 0; i < size; ++i) transpose_copy(x[i], xt[i]);
-      symmetric_product(gram, x, batch_is_xt ? batch.narrow(0, first, size) : xt, at::Tensor(), 0.0, 1.0, scratch);
+      if (batch_is_xt && !emulated && n > 1024) {
+        // oneDNN's k blocks past 1024 for this transposed operand differ
+        // between CPUs with bfloat16 dot products (blocks of 512 on an AMD
+        // EPYC with 2 MiB of L2, where a contiguous one gets blocks of 1024):
+        // torch's own call on its very operands, X = Yᵀ and Xᵀ = Y.
+        for (int64_t i = 0; i < size; ++i) {
+          at::Tensor out = gram[i];
+          const at::Tensor y = batch[first + i];
+          at::mm_out(out, y.t(), y);
+        }
+      } else {
+        symmetric_product(gram, x, batch_is_xt ? batch.narrow(0, first, size) : xt, at::Tensor(), 0.0, 1.0, scratch);
+      }
       symmetric_product(update, gram, gram, gram, options.b, options.c, scratch);  // b G + c G Gᵀ, and G Gᵀ = G G
       if (own_product) {
         for (int64_t i = 0; i < size; ++i) {

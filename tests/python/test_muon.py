@@ -179,12 +179,13 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
 # products of at most 4096 multiply-adds (torch's own calls). Without AVX-512
 # (reference_gemm.h): k below 16, below 64 and exactly 64, whole and partial
 # chunks of 16 past the 64s, rows past the kernels' blocks of 3 and 4, tall
-# matrices (their first round has an order of its own).
+# matrices (their first round has an order of its own: past k = 1024 with
+# bfloat16 dot products, blocks that differ between CPUs).
 @pytest.mark.parametrize(
     "shape",
     [(3, 24, 40), (2, 40, 24), (2, 260, 300), (2, 300, 260), (2, 1, 7), (2, 1, 8), (1, 9, 301), (1, 400, 520),
      (1, 530, 520), (1, 100, 1100), (1, 1100, 100), (1, 64, 1600), (2, 5, 13), (2, 7, 50), (2, 10, 64),
-     (2, 70, 11), (1, 131, 37), (2, 38, 300)],
+     (2, 70, 11), (1, 131, 37), (2, 38, 300), (2, 2100, 64)],
 )
 def test_batched_newton_schulz_is_torch_bit_for_bit(shape):
     generator = torch.Generator().manual_seed(4)
