@@ -47,7 +47,6 @@ class TensorItemLayout {
  public:
   TensorItemLayout(const std::string& storage_type, const std::vector<int64_t>& shape, uint64_t nbytes);
   const std::string& prefix() const { return prefix_; }
-  uint64_t suffix_length() const { return suffix_length_; }
   uint64_t length() const { return prefix_.size() + nbytes_ + suffix_length_; }
   std::string suffix(uint32_t data_crc);
 

@@ -118,75 +118,61 @@ void parallel_for(size_t n, int threads, Task task) {
   if (error) std::rethrow_exception(error);
 }
 
-// A run of bytes of the file being written, with the CRC of what it holds.
-struct Segment {
-  uint64_t offset = 0, length = 0;
-  const char* data = nullptr;
-  uint32_t crc = 0;
-  int item = -1;  // for a piece of a tensor's bytes: its item
-};
-
 }  // namespace
 
-WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items, uint64_t piece_bytes) {
-  piece_bytes = std::max<uint64_t>(piece_bytes, 1 << 20);
-  WrittenFile result;
-  std::vector<std::unique_ptr<TensorItemLayout>> layouts(items.size());
-  std::vector<std::string> suffixes(items.size());
-  std::vector<Segment> segments;  // every byte of the file, but the tensors' suffixes
-  uint64_t cursor = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const WriteItem& item = items[i];
-    ItemExtent extent{cursor, 0};
-    if (item.is_tensor) {
-      layouts[i] = std::make_unique<TensorItemLayout>(item.storage_type, item.shape, item.nbytes);
-      const std::string& prefix = layouts[i]->prefix();
-      segments.push_back({cursor, prefix.size(), prefix.data()});
-      cursor += prefix.size();
-      extent.length = layouts[i]->length();
-    } else {
-      extent.length = item.nbytes;
-    }
-    const char* data = static_cast<const char*>(item.data);
-    for (uint64_t done = 0; done < item.nbytes; done += piece_bytes) {
-      uint64_t n = std::min(piece_bytes, item.nbytes - done);
-      segments.push_back({cursor, n, data + done, 0, item.is_tensor ? int(i) : -1});
-      cursor += n;
-    }
-    if (item.is_tensor) cursor += layouts[i]->suffix_length();
-    result.items.push_back(extent);
-  }
+struct FileWriter::File {
+  explicit File(const std::string& path) : fd(path, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC) {}
+  Fd fd;
+};
 
+FileWriter::FileWriter(const std::string& path, uint64_t piece_bytes)
+    : file_(std::make_unique<File>(path)),
+      piece_bytes_(std::max<uint64_t>(piece_bytes, 1 << 20)) {}
+
+FileWriter::~FileWriter() = default;
+
+std::vector<ItemExtent> FileWriter::append(const std::vector<WriteItem>& items) {
+  if (!file_) throw std::logic_error("checkpoint FileWriter: append after finish");
   // One pass in file order: buffered writes to one file serialise on its
   // inode lock, so more writer threads only contend (measured: 4 threads
   // took 1.5-2x as long as one for a 376 MB file on ext4).
-  Fd fd(path, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC);
-  if (::ftruncate(fd.get(), off_t(cursor)) != 0) throw std::runtime_error(sys_error("cannot size", path));
-  for (Segment& s : segments) {
-    s.crc = crc32(s.data, s.length);
-    fd.pwrite_all(s.data, s.length, s.offset);
+  auto put = [&](const void* data, uint64_t n) {
+    const uint32_t crc = crc32(data, n);
+    file_->fd.pwrite_all(data, n, digest_.size);
+    digest_.crc32 = crc32_combine(digest_.crc32, crc, n);
+    digest_.size += n;
+    return crc;
+  };
+  std::vector<ItemExtent> extents;
+  for (const WriteItem& item : items) {
+    ItemExtent extent{digest_.size, item.nbytes};
+    std::unique_ptr<TensorItemLayout> layout;
+    if (item.is_tensor) {
+      layout = std::make_unique<TensorItemLayout>(item.storage_type, item.shape, item.nbytes);
+      extent.length = layout->length();
+      put(layout->prefix().data(), layout->prefix().size());
+    }
+    // The tensor's CRC (its zip record's) from its pieces', as they are written.
+    uint32_t data_crc = 0;
+    const char* data = static_cast<const char*>(item.data);
+    for (uint64_t done = 0; done < item.nbytes; done += piece_bytes_) {
+      const uint64_t n = std::min(piece_bytes_, item.nbytes - done);
+      data_crc = crc32_combine(data_crc, put(data + done, n), n);
+    }
+    if (item.is_tensor) {
+      const std::string suffix = layout->suffix(data_crc);
+      put(suffix.data(), suffix.size());
+    }
+    extents.push_back(extent);
   }
+  return extents;
+}
 
-  // Each tensor's CRC from its pieces, then its suffix.
-  std::vector<uint32_t> data_crc(items.size(), 0);
-  for (const Segment& s : segments)
-    if (s.item >= 0) data_crc[s.item] = crc32_combine(data_crc[s.item], s.crc, s.length);
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (!items[i].is_tensor) continue;
-    if (items[i].nbytes == 0) data_crc[i] = 0;
-    suffixes[i] = layouts[i]->suffix(data_crc[i]);
-    const ItemExtent& extent = result.items[i];
-    uint64_t at = extent.offset + extent.length - suffixes[i].size();
-    fd.pwrite_all(suffixes[i].data(), suffixes[i].size(), at);
-    segments.push_back({at, suffixes[i].size(), suffixes[i].data(), crc32(suffixes[i].data(), suffixes[i].size())});
-  }
-  fd.sync();
-
-  std::sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
-  uint32_t crc = 0;
-  for (const Segment& s : segments) crc = crc32_combine(crc, s.crc, s.length);
-  result.digest = {cursor, crc};
-  return result;
+FileDigest FileWriter::finish() {
+  if (!file_) throw std::logic_error("checkpoint FileWriter: finish called twice");
+  file_->fd.sync();
+  file_.reset();
+  return digest_;
 }
 
 std::string read_bytes(const std::string& path, uint64_t offset, uint64_t n) {

@@ -18,48 +18,63 @@ const void* cpu_bytes(const at::Tensor& t, const char* what) {
 }
 
 void bind_checkpoint(py::module_& m) {
-  m.def(
-      "ckpt_write_file",
-      [](const std::string& path, const py::list& entries) {
-        // Keep tensors and bytes alive while the GIL is released.
-        std::vector<at::Tensor> tensors;
-        std::vector<std::string> blobs;
-        tensors.reserve(entries.size());
-        blobs.reserve(entries.size());
-        std::vector<ckpt::WriteItem> items;
-        for (const auto& entry : entries) {
-          auto tuple = entry.cast<py::tuple>();
-          ckpt::WriteItem item;
-          if (py::isinstance<py::bytes>(tuple[0])) {
-            blobs.push_back(tuple[0].cast<std::string>());
-            item.data = blobs.back().data();
-            item.nbytes = blobs.back().size();
-          } else if (tuple.size() == 1) {  // a tensor's raw bytes (safetensors)
-            tensors.push_back(tuple[0].cast<at::Tensor>());
-            item.data = cpu_bytes(tensors.back(), "hp.checkpoint save");
-            item.nbytes = uint64_t(tensors.back().nbytes());
-          } else {
-            tensors.push_back(tuple[0].cast<at::Tensor>());
-            const at::Tensor& t = tensors.back();
-            item.is_tensor = true;
-            item.storage_type = tuple[1].cast<std::string>();
-            item.shape = t.sizes().vec();
-            item.data = cpu_bytes(t, "hp.checkpoint save");
-            item.nbytes = uint64_t(t.nbytes());
-          }
-          items.push_back(std::move(item));
-        }
-        ckpt::WrittenFile written;
-        {
-          py::gil_scoped_release no_gil;
-          written = ckpt::write_file(path, items);
-        }
-        py::list extents;
-        for (const auto& e : written.items) extents.append(py::make_tuple(e.offset, e.length));
-        return py::make_tuple(extents, written.digest.size, written.digest.crc32);
-      },
-      py::arg("path"), py::arg("items"),
-      "Writes items [(bytes,) | (tensor,) raw | (tensor, storage_type) as torch.save] to path; returns ([(offset, length)], size, crc32).");
+  py::class_<ckpt::FileWriter>(m, "CkptFileWriter",
+                                "A data file written as items come (hp::ckpt::FileWriter): append(items), then finish().")
+      .def(py::init<const std::string&>(), py::arg("path"))
+      .def(
+          "append",
+          [](ckpt::FileWriter& writer, const py::list& entries) {
+            // Keep tensors and bytes alive while the GIL is released.
+            std::vector<at::Tensor> tensors;
+            std::vector<std::string> blobs;
+            tensors.reserve(entries.size());
+            blobs.reserve(entries.size());
+            std::vector<ckpt::WriteItem> items;
+            for (const auto& entry : entries) {
+              auto tuple = entry.cast<py::tuple>();
+              ckpt::WriteItem item;
+              if (py::isinstance<py::bytes>(tuple[0])) {
+                blobs.push_back(tuple[0].cast<std::string>());
+                item.data = blobs.back().data();
+                item.nbytes = blobs.back().size();
+              } else if (tuple.size() == 1) {  // a tensor's raw bytes (safetensors)
+                tensors.push_back(tuple[0].cast<at::Tensor>());
+                item.data = cpu_bytes(tensors.back(), "hp.checkpoint save");
+                item.nbytes = uint64_t(tensors.back().nbytes());
+              } else {
+                tensors.push_back(tuple[0].cast<at::Tensor>());
+                const at::Tensor& t = tensors.back();
+                item.is_tensor = true;
+                item.storage_type = tuple[1].cast<std::string>();
+                item.shape = t.sizes().vec();
+                item.data = cpu_bytes(t, "hp.checkpoint save");
+                item.nbytes = uint64_t(t.nbytes());
+              }
+              items.push_back(std::move(item));
+            }
+            std::vector<ckpt::ItemExtent> written;
+            {
+              py::gil_scoped_release no_gil;
+              written = writer.append(items);
+            }
+            py::list extents;
+            for (const auto& e : written) extents.append(py::make_tuple(e.offset, e.length));
+            return extents;
+          },
+          py::arg("items"),
+          "Writes items [(bytes,) | (tensor,) raw | (tensor, storage_type) as torch.save] after those before; "
+          "returns [(offset, length)].")
+      .def(
+          "finish",
+          [](ckpt::FileWriter& writer) {
+            ckpt::FileDigest digest;
+            {
+              py::gil_scoped_release no_gil;
+              digest = writer.finish();
+            }
+            return py::make_tuple(digest.size, digest.crc32);
+          },
+          "fsyncs and closes the file; returns (size, crc32).");
   m.def(
       "ckpt_torch_save_bytes",
       [](const std::string& storage_type, const at::Tensor& t) {

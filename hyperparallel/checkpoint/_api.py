@@ -21,6 +21,7 @@ import shutil
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -173,7 +175,21 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
     _save(state_dict, Path(path), process_group)
 
 
-def _save(state_dict, path: Path, process_group, on_published=None) -> None:
+class _ReadWhenWritten(DefaultSavePlanner):
+    """DCP's save planner, for a state dict some of whose tensors are meta tensors standing for
+    tensors that are read only when the writer comes to them (``loaders``: flattened key ->
+    a callable returning the tensor): a save that need not hold them all at once."""
+
+    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]]) -> None:
+        super().__init__()
+        self._loaders = loaders
+
+    def resolve_data(self, write_item):
+        loader = self._loaders.get(write_item.index.fqn)
+        return super().resolve_data(write_item) if loader is None else loader()
+
+
+def _save(state_dict, path: Path, process_group, on_published=None, loaders=None) -> None:
     _check_state_dict(state_dict)
     group, rank, _ = _group(process_group)
     path = path.absolute()
@@ -189,7 +205,7 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
             error = f"cannot create {staged}: {e}; check that {path.parent} is writable"
     try:
         _first_error(group, error)
-        _write_and_publish(state_dict, path, staged, group, rank, on_published)
+        _write_and_publish(state_dict, path, staged, group, rank, on_published, loaders)
     except BaseException:
         # The error reaches every rank through a collective, so all are done writing.
         if lock is not None:
@@ -200,11 +216,12 @@ def _save(state_dict, path: Path, process_group, on_published=None) -> None:
             os.close(lock)
 
 
-def _write_and_publish(state_dict, path: Path, staged: Path, group, rank: int, on_published) -> None:
+def _write_and_publish(state_dict, path: Path, staged: Path, group, rank: int, on_published, loaders=None) -> None:
     writer = Writer(staged)
+    planner = _ReadWhenWritten(loaders) if loaders else None
     try:
         with _quiet(group):
-            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+            dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
     except CheckpointException as e:

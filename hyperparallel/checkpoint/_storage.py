@@ -117,8 +117,15 @@ class _TensorPickle(pickle.Unpickler):
         return pid
 
 
+# How many bytes of items a rank's Writer gathers before it writes them: a save
+# holds this much beyond what its state already holds (the CPU copies of GPU
+# shards, tensors a lazy save reads), whatever its size.
+STAGE_BYTES = 256 << 20
+
+
 class Writer(FileSystemWriter):
-    """FileSystemWriter writing each rank's items to one file with C++ pwrites.
+    """FileSystemWriter writing each rank's items to one file with C++ pwrites,
+    :data:`STAGE_BYTES` of them at a time.
 
     ``files`` maps each file written by this rank to (size, crc32).
     """
@@ -131,20 +138,25 @@ class Writer(FileSystemWriter):
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-        entries = []
-        for wi in items:
-            data = planner.resolve_data(wi)
-            if wi.type == WriteItemType.BYTE_IO:
-                entries.append((data.getvalue(),))
-            else:
-                # The values, not a lazy conjugate's (or negative's) storage: the pickle has no flag.
-                tensor = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
-                entries.append((tensor, storage_type(tensor.dtype)))
+        extents: list = []
         try:
-            extents, size, crc = _C.ckpt_write_file(os.path.join(self.path, file_name), entries)
+            file = _C.CkptFileWriter(os.path.join(self.path, file_name))
+            entries, staged = [], 0
+            for position, wi in enumerate(items):
+                data = planner.resolve_data(wi)
+                if wi.type == WriteItemType.BYTE_IO:
+                    entries.append((data.getvalue(),))
+                else:
+                    # The values, not a lazy conjugate's (or negative's) storage: the pickle has no flag.
+                    tensor = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
+                    entries.append((tensor, storage_type(tensor.dtype)))
+                    staged += tensor.nbytes
+                if staged >= STAGE_BYTES or position == len(items) - 1:
+                    extents += file.append(entries)
+                    entries, staged = [], 0
+            self.files[file_name] = file.finish()
         except RuntimeError as error:
             raise CheckpointError(str(error)) from None
-        self.files[file_name] = (size, crc)
         results = [
             WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))
             for wi, (offset, length) in zip(items, extents)

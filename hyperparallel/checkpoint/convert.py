@@ -7,8 +7,9 @@ shard's at a time, and writes an HF directory: ``config.json``,
 ``model.safetensors.index.json``, loadable by
 ``transformers.AutoModelForCausalLM.from_pretrained``. ``from-hf HF_DIR OUT``
 writes a checkpoint holding ``{"model": <HF weights>}`` (per-expert Qwen3-MoE
-hub weights are fused into the ``experts.gate_up_proj``/``down_proj`` stacks
-transformers' modules use). HF directory I/O is :mod:`hyperparallel.checkpoint.hf`'s.
+hub weights are stacked into the ``experts.gate_up_proj``/``down_proj`` tensors
+transformers' modules use), reading each tensor as the writer comes to it.
+HF directory I/O is :mod:`hyperparallel.checkpoint.hf`'s.
 
 Example::
 
@@ -19,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 from pathlib import Path
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hyperparallel.checkpoint import hf
-from hyperparallel.checkpoint._api import METADATA, load_verified, save, verify
+from hyperparallel.checkpoint._api import METADATA, _save, load_verified, verify
 from hyperparallel.checkpoint._storage import CheckpointError, Reader
 from hyperparallel.checkpoint.hf import read_safetensors, write_safetensors  # also this module's API
 
@@ -78,27 +80,25 @@ def to_hf(checkpoint, out, config, *, prefix: str = "model.", max_shard_size: in
 
 
 def from_hf(hf_dir, out, *, prefix: str = "model.") -> Path:
-    """Write the weights of HF directory ``hf_dir`` as checkpoint ``out`` ({prefix + name: tensor})."""
-    tensors = {}
-    for path in hf.shard_files(hf_dir):
-        tensors.update(read_safetensors(path))
-    tensors = hf.fuse_experts(tensors)
+    """Write the weights of HF directory ``hf_dir`` as checkpoint ``out`` ({prefix + name: tensor}).
+    Each tensor is read as the writer comes to it (``STAGE_BYTES`` at a time): the model is never
+    whole in memory."""
+    if prefix and not prefix.endswith("."):
+        raise CheckpointError(f"--prefix must end with '.', got {prefix!r}")
+    reader = hf.DirectoryReader(hf_dir)
+    sources = {name: name for name in reader.names}
     # A model whose head is its embedding saves the embedding only; its state_dict() (which a
     # load fills) has both names.
-    if (Path(hf_dir) / "config.json").is_file() and "lm_head.weight" not in tensors:
+    if (Path(hf_dir) / "config.json").is_file() and "lm_head.weight" not in sources:
         from transformers import AutoConfig
 
-        embedding = next((name for name in tensors if name.endswith("embed_tokens.weight")), None)
+        embedding = next((name for name in sources if name.endswith("embed_tokens.weight")), None)
         if embedding is not None and AutoConfig.from_pretrained(hf_dir).tie_word_embeddings:
-            tensors["lm_head.weight"] = tensors[embedding]
-    nested: dict = {}
-    if prefix:
-        if not prefix.endswith("."):
-            raise CheckpointError(f"--prefix must end with '.', got {prefix!r}")
-        nested[prefix[:-1]] = tensors
-    else:
-        nested = tensors
-    save(nested, out)
+            sources["lm_head.weight"] = embedding
+    tensors = {name: torch.empty(reader.shape(source), dtype=reader.dtype(source), device="meta")
+               for name, source in sources.items()}
+    loaders = {prefix + name: functools.partial(reader.read, source) for name, source in sources.items()}
+    _save({prefix[:-1]: tensors} if prefix else tensors, Path(out), None, loaders=loaders)
     return Path(out)
 
 

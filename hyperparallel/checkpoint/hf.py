@@ -12,10 +12,8 @@ Example::
 
     from hyperparallel.checkpoint import hf
 
-    tensors = {}
-    for path in hf.shard_files("ckpt/"):
-        tensors.update(hf.read_safetensors(path))
-    stacked = hf.fuse_experts(tensors)   # per-expert weights -> gate_up_proj / down_proj stacks
+    reader = hf.DirectoryReader("ckpt/")  # per-expert weights read as gate_up_proj / down_proj stacks
+    stacked = {name: reader.read(name) for name in reader.names}
     hf.write_directory(stacked, "out/", config="ckpt/config.json")
 """
 
@@ -122,14 +120,28 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {shape}")
         return dtype, shape, self._data_start + begin
 
+    def dtype(self, name: str) -> torch.dtype:
+        """Tensor ``name``'s dtype, from the header (nothing is read)."""
+        return self._located(name)[0]
+
+    def request(self, name: str, target: torch.Tensor) -> tuple[str, int, torch.Tensor]:
+        """The C++ reader's request (``_C.ckpt_read_into``) that reads tensor ``name`` into
+        ``target``, a contiguous CPU tensor of its dtype and shape (a view into a larger one
+        will do)."""
+        dtype, shape, start = self._located(name)
+        if target.dtype != dtype or list(target.shape) != shape or not target.is_contiguous():
+            raise CheckpointError(f"{self.path}: tensor {name} ({dtype}, {shape}) cannot be read into a "
+                                  f"{'' if target.is_contiguous() else 'non-contiguous '}{target.dtype} "
+                                  f"tensor of shape {list(target.shape)}")
+        return self.path, start, target
+
     def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (default: all), in new CPU tensors, read with ``HP_CKPT_THREADS`` threads."""
         tensors, requests = {}, []
         for name in self.names if names is None else names:
-            dtype, shape, start = self._located(name)
-            tensors[name] = tensor = torch.empty(shape, dtype=dtype)
+            tensors[name] = tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
             if tensor.nbytes:
-                requests.append((self.path, start, tensor))
+                requests.append(self.request(name, tensor))
         _C.ckpt_read_into(requests, io_threads())
         return tensors
 
@@ -164,7 +176,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike)
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    _, size, _ = _C.ckpt_write_file(str(path), [(struct.pack("<Q", len(blob)) + blob,), *entries])
+    file = _C.CkptFileWriter(str(path))
+    file.append([(struct.pack("<Q", len(blob)) + blob,), *entries])
+    size, _ = file.finish()
     return size
 
 
@@ -278,44 +292,79 @@ def expert_rows(stacked: torch.Tensor, key: ExpertKey) -> torch.Tensor:
     return stacked[key.index, :rows] if key.part == "gate_proj" else stacked[key.index, rows:]
 
 
-def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert tensors stacked as transformers 5.x keeps them; every other tensor as it is."""
-    parts: dict[str, dict[ExpertKey, torch.Tensor]] = {}
-    out = {}
-    for name, tensor in tensors.items():
-        key = expert_key(name)
-        if key is None:
-            out[name] = tensor
-        else:
-            parts.setdefault(key.stacked, {})[key] = tensor
-    for stacked, by_key in parts.items():
-        first = next(iter(by_key))
-        experts = 1 + max(key.index for key in by_key)
-        wanted = [first._replace(index=e, part=part)
-                  for e in range(experts) for part in STACKED_PARTS[stacked.rsplit(".", 1)[1]]]
-        missing = [key for key in wanted if key not in by_key]
-        if missing:
-            key = missing[0]
-            raise CheckpointError(f"{key.stack}: expert weight {key.index}.{key.part} is missing from the HF directory")
-        row = by_key[wanted[0]]
-        rows = row.shape[0] * len(wanted) // experts
-        fused = torch.empty(experts, rows, *row.shape[1:], dtype=row.dtype)
-        for key in wanted:
-            expert_rows(fused, key).copy_(by_key[key])
-        out[stacked] = fused
-    return out
+class DirectoryReader:
+    """The tensors of an HF directory under the names transformers 5.x models give them
+    (per-expert weights stacked into ``experts.gate_up_proj`` / ``experts.down_proj``), each
+    read when asked for: only the safetensors headers are read up front, so a reader of the
+    whole model need hold one tensor of it at a time.
+
+    Example::
+
+        reader = hf.DirectoryReader("ckpt/")
+        for name in reader.names:
+            print(name, reader.shape(name), reader.dtype(name))  # from the headers
+            tensor = reader.read(name)  # the stacks filled straight from each expert's bytes
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self._sources: dict[str, list[tuple[ExpertKey | None, SafetensorsFile, str]]] = {}
+        parts: dict[str, dict[ExpertKey, tuple[SafetensorsFile, str]]] = {}
+        for path in shard_files(directory):
+            file = SafetensorsFile(path)
+            for name in file.names:
+                key = expert_key(name)
+                if key is None:
+                    self._sources[name] = [(None, file, name)]
+                else:
+                    parts.setdefault(key.stacked, {})[key] = (file, name)
+        self._meta = {name: (file.shape(source), file.dtype(source))
+                      for name, [(_, file, source)] in self._sources.items()}
+        for stacked, by_key in parts.items():
+            first = next(iter(by_key))
+            experts = 1 + max(key.index for key in by_key)
+            wanted = [first._replace(index=e, part=part)
+                      for e in range(experts) for part in STACKED_PARTS[stacked.rsplit(".", 1)[1]]]
+            missing = [key for key in wanted if key not in by_key]
+            if missing:
+                key = missing[0]
+                raise CheckpointError(f"{key.stack}: expert weight {key.index}.{key.part} is missing from the HF directory")
+            shapes = {(by_key[key][0].shape(by_key[key][1]), by_key[key][0].dtype(by_key[key][1])) for key in wanted}
+            if len(shapes) > 1:
+                raise CheckpointError(f"{stacked}: its experts' weights differ in shape or dtype ({sorted(map(str, shapes))}); "
+                                      "check the HF directory")
+            (row_shape, dtype), = shapes
+            rows = row_shape[0] * len(wanted) // experts
+            self._meta[stacked] = ((experts, rows, *row_shape[1:]), dtype)
+            self._sources[stacked] = [(key, *by_key[key]) for key in wanted]
+        self.names = list(self._sources)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape (nothing is read)."""
+        return tuple(self._meta[name][0])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Tensor ``name``'s dtype (nothing is read)."""
+        return self._meta[name][1]
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in a new CPU tensor; a stack's experts read straight into their rows."""
+        tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
+        requests = [file.request(source, tensor if key is None else expert_rows(tensor, key))
+                    for key, file, source in self._sources[name]]
+        _C.ckpt_read_into([request for request in requests if request[2].nbytes], io_threads())
+        return tensor
 
 
 __all__ = [
     "INDEX",
     "SINGLE",
     "STACKED_PARTS",
+    "DirectoryReader",
     "DirectoryWriter",
     "ExpertKey",
     "SafetensorsFile",
     "expert_key",
     "expert_rows",
-    "fuse_experts",
     "has_safetensors",
     "read_safetensors",
     "shard_files",

@@ -356,3 +356,25 @@ def test_crc32_matches_zlib():
         assert _C.ckpt_crc32(data, start) == zlib.crc32(data, start), n
     a, b = rng.randbytes(12345), rng.randbytes(777)
     assert _C.ckpt_crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_a_file_written_in_appends_is_the_file_written_at_once(tmp_path):
+    """What a save streams (an append per STAGE_BYTES) is byte for byte what one write gives;
+    the size and CRC are the file's, and each tensor item reads back with torch.load."""
+    import zlib
+
+    tensors = [torch.arange(10.0), torch.randn(3, 70000).bfloat16(), torch.zeros(0, 4), torch.arange(7)]
+    items = [(b"a pickled object",), *((t, storage_type(t.dtype)) for t in tensors), (b"",)]
+    once = _C.CkptFileWriter(str(tmp_path / "once"))
+    extents = once.append(items)
+    digest = once.finish()
+    parts = _C.CkptFileWriter(str(tmp_path / "parts"))
+    assert parts.append(items[:2]) + parts.append([]) + parts.append(items[2:]) == extents
+    assert parts.finish() == digest
+    data = (tmp_path / "once").read_bytes()
+    assert (tmp_path / "parts").read_bytes() == data
+    assert digest == (len(data), zlib.crc32(data))
+    for tensor, (offset, length) in zip(tensors, extents[1:]):
+        assert torch.equal(torch.load(io.BytesIO(data[offset:offset + length])), tensor)
+    with pytest.raises(RuntimeError, match="finish called twice"):
+        parts.finish()

@@ -16,6 +16,8 @@ from transformers import (
 )
 
 import hyperparallel.checkpoint as ckpt
+from hyperparallel import _C
+from hyperparallel.checkpoint import _storage, hf
 from hyperparallel.checkpoint.convert import main, read_safetensors
 
 CONFIG = {
@@ -87,6 +89,42 @@ def test_from_hf_fuses_hub_style_experts(tmp_path):
     save_file(hub, tmp_path / "hub/model.safetensors")
     assert read_safetensors(tmp_path / "hub/model.safetensors").keys() == hub.keys()
     assert main(["from-hf", str(tmp_path / "hub"), str(tmp_path / "ckpt")]) == 0
+    state = {"model": tiny_model(1).state_dict()}
+    ckpt.load(state, tmp_path / "ckpt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
+
+
+def test_from_hf_reads_each_tensor_as_the_writer_comes_to_it(tmp_path, monkeypatch):
+    """from-hf never holds the model whole: between two of the writer's appends it reads at most
+    STAGE_BYTES and one tensor more, and the checkpoint holds every weight."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # per-expert, as on the hub
+    monkeypatch.setattr(_storage, "STAGE_BYTES", 16 << 10)
+    events: list = []
+    read = hf.DirectoryReader.read
+
+    def reading(self, name):
+        tensor = read(self, name)
+        events.append(tensor.nbytes)
+        return tensor
+
+    class Appending(_C.CkptFileWriter):
+        def append(self, items):
+            events.append("append")
+            return super().append(items)
+
+    monkeypatch.setattr(hf.DirectoryReader, "read", reading)
+    monkeypatch.setattr(_C, "CkptFileWriter", Appending)
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    reads = [e for e in events if e != "append"]
+    assert sum(reads) == sum(t.nbytes for t in model.state_dict().values())
+    held, most = 0, 0
+    for event in events:
+        held = 0 if event == "append" else held + event
+        most = max(most, held)
+    assert events.count("append") > 3
+    assert most <= (16 << 10) + max(reads), most
     state = {"model": tiny_model(1).state_dict()}
     ckpt.load(state, tmp_path / "ckpt")
     for key, value in model.state_dict().items():

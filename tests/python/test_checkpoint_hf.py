@@ -1,4 +1,4 @@
-"""hyperparallel.checkpoint.hf, the one home of HF directory I/O: what it fuses is what load_pretrained fills."""
+"""hyperparallel.checkpoint.hf, the one home of HF directory I/O: what it stacks is what load_pretrained fills."""
 
 from __future__ import annotations
 
@@ -21,36 +21,39 @@ def tiny_model(seed: int) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
 
 
-def hub_tensors(tmp_path) -> dict[str, torch.Tensor]:
-    """A sharded save_pretrained directory (per-expert tensors), read back whole."""
+def hub_directory(tmp_path):
+    """A sharded save_pretrained directory (per-expert tensors)."""
     tiny_model(0).save_pretrained(tmp_path, max_shard_size="20KB")
-    files = hf.shard_files(tmp_path)
-    assert len(files) > 1
-    tensors = {}
-    for path in files:
-        tensors.update(hf.read_safetensors(path))
-    return tensors
+    assert len(hf.shard_files(tmp_path)) > 1
+    return tmp_path
 
 
-def test_fused_experts_are_what_load_pretrained_fills(tmp_path):
-    tensors = hub_tensors(tmp_path)
+def test_stacked_experts_are_what_load_pretrained_fills(tmp_path):
+    directory = hub_directory(tmp_path)
     assert hf.expert_key("model.layers.1.mlp.experts.2.up_proj.weight") == ("model.layers.1.mlp.experts", 2, "up_proj")
-    assert any(hf.expert_key(name) for name in tensors)
-    fused = hf.fuse_experts(tensors)
-    assert not any(hf.expert_key(name) for name in fused)
+    assert any(hf.expert_key(name) for path in hf.shard_files(directory) for name in hf.SafetensorsFile(path).names)
+    reader = hf.DirectoryReader(directory)
+    assert not any(hf.expert_key(name) for name in reader.names)
     model = tiny_model(1)
-    hpnn.load_pretrained(model, tmp_path)
+    hpnn.load_pretrained(model, directory)
     state = model.state_dict()
-    assert fused.keys() == state.keys()
+    assert set(reader.names) == state.keys()
     for name, tensor in state.items():
-        assert torch.equal(fused[name], tensor), name
+        assert (reader.shape(name), reader.dtype(name)) == (tuple(tensor.shape), tensor.dtype), name
+        assert torch.equal(reader.read(name), tensor), name
 
 
 def test_a_missing_expert_weight_is_named(tmp_path):
-    tensors = hub_tensors(tmp_path)
+    directory = hub_directory(tmp_path)
+    tensors = {}
+    for path in hf.shard_files(directory):
+        tensors.update(hf.read_safetensors(path))
+        path.unlink()
+    (directory / hf.INDEX).unlink()
     del tensors["model.layers.0.mlp.experts.1.up_proj.weight"]
+    hf.write_safetensors(tensors, directory / hf.SINGLE)
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.experts: expert weight 1.up_proj is missing"):
-        hf.fuse_experts(tensors)
+        hf.DirectoryReader(directory)
     with pytest.raises(FileNotFoundError, match="pass an HF model directory"):
         hf.shard_files(tmp_path / "nothing")
 

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,7 @@ struct WriteItem {
   // ("float8_e4m3fn", "uint16", ...); unused for bytes.
   std::string storage_type;
   std::vector<int64_t> shape;  // contiguous strides are implied
-  const void* data = nullptr;  // must stay valid until write_file returns
+  const void* data = nullptr;  // must stay valid until FileWriter::append returns
   uint64_t nbytes = 0;
 };
 
@@ -55,19 +56,35 @@ struct FileDigest {
   uint32_t crc32 = 0;
 };
 
-struct WrittenFile {
-  std::vector<ItemExtent> items;
-  FileDigest digest;
+// A data file written item by item, in file order, as the items come: a
+// save need only hold the items of one append() in memory, not the file's.
+// Each item's bytes go out in pwrites of at most `piece_bytes`, straight from
+// its memory, their CRC computed as they go. Throws std::runtime_error naming
+// the path on any failure; a writer dropped before finish() leaves a partial
+// file (the caller's staging directory is removed with it).
+class FileWriter {
+ public:
+  // Creates (or truncates) `path`, mode 0644.
+  explicit FileWriter(const std::string& path, uint64_t piece_bytes = 32ull << 20);
+  ~FileWriter();
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+
+  // Writes `items` after everything appended before; returns where each
+  // landed. The items' memory may be freed once it returns.
+  std::vector<ItemExtent> append(const std::vector<WriteItem>& items);
+  // fsyncs and closes the file; returns its size and CRC-32.
+  FileDigest finish();
+
+ private:
+  struct File;
+  std::unique_ptr<File> file_;
+  uint64_t piece_bytes_;
+  FileDigest digest_;  // of what is written so far
 };
 
-// Writes `items` to `path` (created or truncated, mode 0644) in one pass of
-// pwrites of at most `piece_bytes`, straight from the items' memory, then
-// fsyncs. Throws std::runtime_error naming the path on any failure.
-WrittenFile write_file(const std::string& path, const std::vector<WriteItem>& items,
-                       uint64_t piece_bytes = 32ull << 20);
-
 // The bytes torch.save writes for a contiguous tensor (for tests and small
-// tensors; write_file does not build items in memory).
+// tensors; FileWriter does not build items in memory).
 std::string torch_save_bytes(const std::string& storage_type, const std::vector<int64_t>& shape, const void* data,
                              uint64_t nbytes);
 
