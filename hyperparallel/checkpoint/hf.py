@@ -103,6 +103,10 @@ class SafetensorsFile:
         self._data_start = 8 + length
         self._entries = header
         self.names = list(header)
+        end = max((info.get("data_offsets", [0, 0])[1] for info in header.values()), default=0)
+        if self._data_start + end > size:
+            raise CheckpointError(f"{self.path} is truncated: its header places tensors up to byte "
+                                  f"{self._data_start + end}, the file has {size}; download or save it again")
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Tensor ``name``'s shape, from the header (nothing is read)."""

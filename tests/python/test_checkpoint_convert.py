@@ -163,6 +163,12 @@ def test_convert_errors_name_the_fix(tmp_path, capsys):
     assert main(["from-hf", str(tmp_path / "hf_model"), str(tmp_path / "hf_model")]) == 1
     assert "is a directory that is not a checkpoint" in capsys.readouterr().out
     assert (tmp_path / "hf_model/model.safetensors").exists()
+    # A truncated download: named from its header, before anything is written.
+    weights = tmp_path / "hf_model/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["from-hf", str(tmp_path / "hf_model"), str(tmp_path / "out")]) == 1
+    assert "model.safetensors is truncated" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
 
 
 def test_to_hf_casts_and_reads_a_shard_at_a_time(tmp_path):
