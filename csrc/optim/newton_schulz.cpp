@@ -367,8 +367,9 @@ void newton_schulz_(const at::Tensor& batch, const NsOptions& options) {
       if (batch_is_xt && !emulated && n > 1024) {
         // oneDNN's k blocks past 1024 for this transposed operand differ
         // between CPUs with bfloat16 dot products (blocks of 512 on an AMD
-        // EPYC with 2 MiB of L2, where a contiguous one gets blocks of 1024):
-        // torch's own call on its very operands, X = Yᵀ and Xᵀ = Y.
+        // EPYC Zen 4, where a contiguous one gets blocks of 1024, as both
+        // did on the Zen 5 the gram kernels were matched on): torch's own
+        // call on its very operands, X = Yᵀ and Xᵀ = Y.
         for (int64_t i = 0; i < size; ++i) {
           at::Tensor out = gram[i];
           const at::Tensor y = batch[first + i];
