@@ -123,6 +123,24 @@ class _TensorPickle(pickle.Unpickler):
 STAGE_BYTES = 256 << 20
 
 
+def _entry(planner, wi) -> tuple:
+    """The C++ writer's item for write item ``wi``: (bytes,) or (tensor, storage type)."""
+    data = planner.resolve_data(wi)
+    if wi.type == WriteItemType.BYTE_IO:
+        return (data.getvalue(),)
+    # The values, not a lazy conjugate's (or negative's) storage: the pickle has no flag.
+    tensor = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    return tensor, storage_type(tensor.dtype)
+
+
+def _written(call, *args):
+    """``call(*args)``, its I/O errors (the C++ writer's RuntimeError) as CheckpointError."""
+    try:
+        return call(*args)
+    except RuntimeError as error:
+        raise CheckpointError(str(error)) from None
+
+
 class Writer(FileSystemWriter):
     """FileSystemWriter writing each rank's items to one file with C++ pwrites,
     :data:`STAGE_BYTES` of them at a time.
@@ -139,24 +157,17 @@ class Writer(FileSystemWriter):
         items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         extents: list = []
-        try:
-            file = _C.CkptFileWriter(os.path.join(self.path, file_name))
-            entries, staged = [], 0
-            for position, wi in enumerate(items):
-                data = planner.resolve_data(wi)
-                if wi.type == WriteItemType.BYTE_IO:
-                    entries.append((data.getvalue(),))
-                else:
-                    # The values, not a lazy conjugate's (or negative's) storage: the pickle has no flag.
-                    tensor = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
-                    entries.append((tensor, storage_type(tensor.dtype)))
-                    staged += tensor.nbytes
-                if staged >= STAGE_BYTES or position == len(items) - 1:
-                    extents += file.append(entries)
-                    entries, staged = [], 0
-            self.files[file_name] = file.finish()
-        except RuntimeError as error:
-            raise CheckpointError(str(error)) from None
+        file = _written(_C.CkptFileWriter, os.path.join(self.path, file_name))
+        entries, staged = [], 0
+        for position, wi in enumerate(items):
+            entry = _entry(planner, wi)
+            staged += entry[0].nbytes if isinstance(entry[0], torch.Tensor) else len(entry[0])
+            entries.append(entry)
+            del entry  # the batch holds it; no name keeps it past the batch's append
+            if staged >= STAGE_BYTES or position == len(items) - 1:
+                extents += _written(file.append, entries)
+                entries, staged = [], 0
+        self.files[file_name] = _written(file.finish)
         results = [
             WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))
             for wi, (offset, length) in zip(items, extents)

@@ -1,6 +1,7 @@
 // Checkpoint byte I/O: the files of torch.distributed.checkpoint's
-// FileSystemWriter layout, written and read with large parallel pwrite/pread,
-// fsynced, and checksummed. No torch headers: tensors arrive as pointers.
+// FileSystemWriter layout, written in one sequential pass of large pwrites and
+// read with parallel preads, fsynced, and checksummed. No torch headers:
+// tensors arrive as pointers.
 //
 // A DCP data file (`__<rank>_0.distcp`) is a concatenation of items. A
 // "bytes" item is raw bytes (a pickled Python object). A tensor item is what
@@ -60,8 +61,9 @@ struct FileDigest {
 // save need only hold the items of one append() in memory, not the file's.
 // Each item's bytes go out in pwrites of at most `piece_bytes`, straight from
 // its memory, their CRC computed as they go. Throws std::runtime_error naming
-// the path on any failure; a writer dropped before finish() leaves a partial
-// file (the caller's staging directory is removed with it).
+// the path on any failure, after which the writer is closed (a later call
+// throws); a writer dropped before finish() leaves a partial file, for the
+// caller to remove.
 class FileWriter {
  public:
   // Creates (or truncates) `path`, mode 0644.
