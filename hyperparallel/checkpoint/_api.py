@@ -177,8 +177,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
 
 class _ReadWhenWritten(DefaultSavePlanner):
     """DCP's save planner, for a state dict some of whose tensors are meta tensors standing for
-    tensors that are read only when the writer comes to them (``loaders``: flattened key ->
-    a callable returning the tensor): a save that need not hold them all at once."""
+    whole (plain, unsharded) tensors that are read only when the writer comes to them
+    (``loaders``: flattened key -> a callable returning the tensor): a save that need not hold
+    them all at once."""
 
     def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]]) -> None:
         super().__init__()
@@ -186,7 +187,11 @@ class _ReadWhenWritten(DefaultSavePlanner):
 
     def resolve_data(self, write_item):
         loader = self._loaders.get(write_item.index.fqn)
-        return super().resolve_data(write_item) if loader is None else loader()
+        if loader is None:
+            return super().resolve_data(write_item)
+        if any(write_item.index.offset or ()):
+            raise CheckpointError(f"{write_item.index.fqn}: a loader gives a whole tensor, not a shard of one")
+        return loader()
 
 
 def _save(state_dict, path: Path, process_group, on_published=None, loaders=None) -> None:

@@ -103,7 +103,13 @@ class SafetensorsFile:
         self._data_start = 8 + length
         self._entries = header
         self.names = list(header)
-        end = max((info.get("data_offsets", [0, 0])[1] for info in header.values()), default=0)
+        for name, info in header.items():
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                    and isinstance(info.get("shape"), list) and isinstance(info.get("dtype"), str)):
+                raise CheckpointError(f"{self.path} is not a safetensors file (tensor {name}'s header entry is "
+                                      f"{info!r}); check the file")
+        end = max((info["data_offsets"][1] for info in header.values()), default=0)
         if self._data_start + end > size:
             raise CheckpointError(f"{self.path} is truncated: its header places tensors up to byte "
                                   f"{self._data_start + end}, the file has {size}; download or save it again")

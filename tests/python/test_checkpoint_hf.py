@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import struct
+
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -56,6 +59,15 @@ def test_a_missing_expert_weight_is_named(tmp_path):
         hf.DirectoryReader(directory)
     with pytest.raises(FileNotFoundError, match="pass an HF model directory"):
         hf.shard_files(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("entry", [[1, 2], {"dtype": "F32", "shape": [2]},
+                                   {"dtype": "F32", "shape": [2], "data_offsets": [0, "8"]}])
+def test_a_malformed_header_entry_is_named(tmp_path, entry):
+    blob = json.dumps({"w": entry}).encode()
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(8))
+    with pytest.raises(CheckpointError, match=r"x.safetensors is not a safetensors file \(tensor w's header entry"):
+        hf.SafetensorsFile(tmp_path / "x.safetensors")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
