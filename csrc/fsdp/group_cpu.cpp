@@ -79,6 +79,7 @@ class CpuParamGroup : public ParamGroup {
   // gradient" start, after the gradients.
   int64_t flags_at_ = 0;
   at::ScalarType dtype_;
+  at::ScalarType grad_dtype_;  // what gradients are reduced in: reduce_dtype, else param_dtype, else dtype_
   bool posted_ = false;              // this rank's rows are posted for the coming unshard
   at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
   // Per parameter: some rank of the job had a gradient in the last reduction,
@@ -148,9 +149,9 @@ CpuParamGroup::CpuParamGroup(std::shared_ptr<Context> context, const std::vector
     // Each rank contributes the rows it owns, as FSDP2 keeps each rank's chunk.
     shard_views_[i].copy_(param.detach().narrow(0, rows.begin, rows.size()));
   }
-  const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
-  comm::dtype_of(grad_dtype);
-  flags_at_ = align_up(total_elems_) * int64_t(c10::elementSize(grad_dtype));
+  grad_dtype_ = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
+  comm::dtype_of(grad_dtype_);
+  flags_at_ = align_up(total_elems_) * int64_t(c10::elementSize(grad_dtype_));
   grad_windows_.reserve(std::size_t(flags_at_) + params.size());
   publish();
   wait_unshard();
@@ -180,9 +181,9 @@ void CpuParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   if (sharded_grad_buffer_.defined() && sharded_grad_buffer_.storage().use_count() == 1) {
     output = sharded_grad_buffer_;  // nothing holds the last step's gradients
   } else {
-    // HSDP: the flags travel in the output's tail, in the all-reduce of the
-    // shard (in a sum of their own where that is in another dtype).
-    const int64_t tail = options_.replicate ? int64_t(grads.size()) : 0;
+    // HSDP: the flags travel in the tail of the shard's all-reduced sum: this
+    // output's, unless the sum is in another dtype (run_reduce).
+    const int64_t tail = options_.replicate && grad_dtype_ == dtype_ ? int64_t(grads.size()) : 0;
     output = at::empty({shard_elems_ + tail}, at::TensorOptions().dtype(dtype_));
     sharded_grad_buffer_ = output;
   }
@@ -197,15 +198,14 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
   comm::NodeComm& node = communicator_->node();
   comm::Window& read = compute_ ? *compute_ : params_;
   comm::Window& window = grad_windows_.next();
-  const at::ScalarType grad_dtype = options_.reduce_dtype.value_or(options_.param_dtype.value_or(dtype_));
   // HSDP sums across nodes in the reduce dtype, as FSDP2 does: the node's sum
   // stays in it, flags in its tail, and is cast to the shards' dtype once,
   // after the nodes' all-reduce (bf16 shards with an fp32 reduce round once).
-  at::Tensor sum = options_.replicate && grad_dtype != dtype_
-                       ? at::empty({shard_elems_ + int64_t(grads.size())}, at::TensorOptions().dtype(grad_dtype))
+  at::Tensor sum = options_.replicate && grad_dtype_ != dtype_
+                       ? at::empty({shard_elems_ + int64_t(grads.size())}, at::TensorOptions().dtype(grad_dtype_))
                        : output;
   node.acquire(window);  // peers are done with the last group that used it
-  at::Tensor mine = over(window, window.slot(node.rank()), total_elems_, grad_dtype);
+  at::Tensor mine = over(window, window.slot(node.rank()), total_elems_, grad_dtype_);
   auto flags = [&](int rank) { return static_cast<uint8_t*>(window.slot(rank)) + flags_at_; };
   for (std::size_t i = 0; i < grads.size(); ++i) {
     at::Tensor slot = mine.narrow(0, offsets_[i], param_views_[i].numel());
@@ -231,7 +231,7 @@ void CpuParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gra
     const comm::Range elems{std::size_t(offsets_[i] + rows.begin * row_elems_[i]),
                             std::size_t(offsets_[i] + rows.end * row_elems_[i])};
     void* out = static_cast<char*>(sum.data_ptr()) + shard_offsets_[i] * out_size;
-    node.reduce_rows(window, elems, comm::dtype_of(grad_dtype), scale, out, comm::dtype_of(sum.scalar_type()));
+    node.reduce_rows(window, elems, comm::dtype_of(grad_dtype_), scale, out, comm::dtype_of(sum.scalar_type()));
   }
   node.release(window);
   if (options_.replicate) {
