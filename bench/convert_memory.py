@@ -18,6 +18,7 @@ Runs alternate hp, torch; medians over rounds. Both write to the same file syste
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -53,10 +54,10 @@ def anonymous_bytes(pid: int) -> int:
 
 
 MAKE = """
-import sys, torch
+import json, sys, torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 torch.manual_seed(0)
-model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**eval(sys.argv[2]), num_hidden_layers=int(sys.argv[3])))
+model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**json.loads(sys.argv[2]), num_hidden_layers=int(sys.argv[3])))
 model.save_pretrained(sys.argv[1])
 print(sum(p.numel() for p in model.parameters()))
 """
@@ -65,7 +66,7 @@ print(sum(p.numel() for p in model.parameters()))
 def make_model(out: Path, layers: int) -> int:
     """The HF directory; returns its parameter count. In a process of its own: a child's peak
     resident set (ru_maxrss) starts at its parent's when it forks, so this one stays small."""
-    made = subprocess.run([sys.executable, "-c", MAKE, str(out), repr(SHAPE), str(layers)], check=True,
+    made = subprocess.run([sys.executable, "-c", MAKE, str(out), json.dumps(SHAPE), str(layers)], check=True,
                           capture_output=True, text=True)
     return int(made.stdout.split()[-1])
 
