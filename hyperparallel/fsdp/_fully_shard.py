@@ -139,6 +139,45 @@ class FSDPModule:
         """Accepted for compatibility: hp always reduces every parameter, with zeros from the
         ranks without a gradient, so ranks whose inputs take different branches never mismatch."""
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for compatibility: hp's reductions are sums already, scaled once in the
+        reducing kernel (across nodes, an all-reduce with ``SUM``)."""
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for compatibility: within a node hp communicates through the fabric's own
+        symmetric buffers, not staging buffers of a process group's."""
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for compatibility: hp's all-gather within a node is symmetric memory already
+        (shared memory on the CPU; peer-mapped device memory and copy-engine pulls on a GPU)."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted for compatibility: hp has no copy-in buffers; each group's gradients go into
+        one of two gradient windows per process, which bound what is in flight."""
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted for compatibility: hp's reduce-scatter runs on its reducer thread (on a GPU,
+        its own stream) and overlaps the unshards already."""
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accepted for compatibility: the next forward's unshards start after the optimizer
+        step as they always do (on a GPU, ordered after the current stream's work when the root's
+        forward starts, which includes the step)."""
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Refused: hp's all-gather is the fabric's (a wait on shared memory, or copy-engine
+        pulls on a GPU), which a torch ``AllGather`` cannot replace."""
+        raise NotImplementedError(
+            "hp.fully_shard: set_custom_all_gather is not supported; hp's all-gather is the fabric's own. "
+            "Shard this module with torch's fully_shard to use a custom all-gather")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Refused: hp's reduce-scatter is one pass over the node's gradient windows, which a
+        torch ``ReduceScatter`` cannot replace."""
+        raise NotImplementedError(
+            "hp.fully_shard: set_custom_reduce_scatter is not supported; hp's reduce-scatter is the fabric's "
+            "own. Shard this module with torch's fully_shard to use a custom reduce-scatter")
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Accepted for compatibility. On the CPU every group's rows are posted when the root's
         forward starts, so each unshard is a wait on data that is there; on a GPU each group

@@ -506,6 +506,15 @@ def corner_cases() -> dict:
         net.set_is_last_backward(True)
         net.set_unshard_in_backward(True)
         net.set_reduce_scatter_unused_params(True)
+        net.set_force_sum_reduction_for_comms(True)
+        net.set_allocate_memory_from_process_group_for_comm(True)
+        net.set_symm_mem_for_comm()
+        net.set_reduce_scatter_max_input_buffers(2)
+        net.set_separate_reduce_scatter_group()
+        net.set_post_optim_event(torch.Event())
+        for custom in (net.set_custom_all_gather, net.set_custom_reduce_scatter):
+            with pytest.raises(NotImplementedError, match="Shard this module with torch's fully_shard"):
+                custom(None)
         if factor is not None:
             for module in (net, *net.blocks):
                 if factor == 4.0:
