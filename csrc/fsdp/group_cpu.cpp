@@ -57,6 +57,7 @@ class CpuParamGroup : public ParamGroup {
   void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
   void release() override;
+  void discard_held() override;
 
  private:
   void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale,
@@ -267,6 +268,12 @@ std::vector<std::optional<at::Tensor>> CpuParamGroup::sharded_grads() {
 void CpuParamGroup::release() {
   reducer_->wait(ticket_);
   communicator_->node().acquire(compute_ ? *compute_ : params_);
+}
+
+void CpuParamGroup::discard_held() {
+  reducer_->wait(ticket_);
+  drop_held();
+  any_grad_.clear();
 }
 
 CpuParamGroup::~CpuParamGroup() {

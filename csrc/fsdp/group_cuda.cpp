@@ -172,6 +172,7 @@ class CudaParamGroup : public ParamGroup {
   void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
   void release() override;
+  void discard_held() override;
 
  private:
   void allocate_full();
@@ -512,6 +513,13 @@ void CudaParamGroup::release() {
   published_ = false;
   if (pull_pending_) unsharded_at_.wait(compute());
   pull_pending_ = unsharded_ = false;
+}
+
+void CudaParamGroup::discard_held() {
+  reducer_->wait(ticket_);
+  drop_held();
+  held_grad_.clear();
+  has_grad_.clear();
 }
 
 std::shared_ptr<ParamGroup> make_cuda_group(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,

@@ -37,6 +37,7 @@ void bind_fsdp(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("sharded_grads", &ParamGroup::sharded_grads, py::call_guard<py::gil_scoped_release>())
       .def("release", &ParamGroup::release, py::call_guard<py::gil_scoped_release>())
+      .def("discard_held", &ParamGroup::discard_held, py::call_guard<py::gil_scoped_release>())
       .def("set_gradient_divide_factor", &ParamGroup::set_gradient_divide_factor, py::arg("factor"))
       .def("set_requires_all_reduce", &ParamGroup::set_requires_all_reduce, py::arg("required"));
 }

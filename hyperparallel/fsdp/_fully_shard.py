@@ -139,6 +139,31 @@ class FSDPModule:
         """Accepted for compatibility: hp always reduces every parameter, with zeros from the
         ranks without a gradient, so ranks whose inputs take different branches never mismatch."""
 
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward, on the root module of every rank
+        (each rank raised alike, or the job cannot go on): waits for the reductions handed
+        out, throws the iteration's gradients away (reduced or not, an HSDP held sum, a no_sync
+        accumulation) and leaves every group as between iterations, so that the next one runs
+        normally, as torch's. Call ``optimizer.zero_grad()`` too: as with torch, a shard's
+        gradient from an earlier backward stays.
+
+        Example::
+
+            try:
+                loss = model(batch).loss
+                loss.backward()
+            except torch.OutOfMemoryError:
+                model.reset_iter_state()
+                optimizer.zero_grad()
+        """
+        root = self._hp_state.root
+        if root is None:
+            return  # no forward ran: nothing to reset
+        if root.module is not self:
+            raise RuntimeError(f"reset_iter_state must be called on the root module ({type(root.module).__name__}), "
+                               f"which drove the aborted forward, not on {type(self).__name__}")
+        root.reset()
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for compatibility: hp's reductions are sums already, scaled once in the
         reducing kernel (across nodes, an all-reduce with ``SUM``)."""

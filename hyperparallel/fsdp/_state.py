@@ -285,6 +285,23 @@ class GroupState:
         self.training_state = TrainingState.IDLE
 
 
+    def abort_iteration(self) -> None:
+        """An exception ended this iteration: throw its gradients away (the reductions handed
+        out, the held HSDP sum, the full gradients not reduced yet, a no_sync accumulation)
+        and leave the group idle with its sharded parameters registered and its peers' rows
+        released, as at the end of a forward without backward."""
+        for ref in self.refs:
+            ref.unsharded.grad = ref.accumulated = None
+        self.pending_backwards = 0
+        self.reduced = False
+        self.training_state = TrainingState.IDLE
+        if self.core is not None:
+            self.core.discard_held()
+        self.reshard()
+        if self.core is not None:
+            self.core.release()
+
+
 class RootContext:
     """What one root module's forward drives: every group under it, the order they ran in
     (to prefetch the next one's parameters), and the end of backward."""
@@ -350,6 +367,13 @@ class RootContext:
     def _queue_final_callback(self, grad):
         self.queue_final_callback()
         return grad
+
+    def reset(self) -> None:
+        """After an exception aborted a forward or backward: every group back to the state
+        between iterations, the iteration's gradients thrown away (FSDP2's reset_iter_state)."""
+        for group in reversed(self.groups):
+            group.abort_iteration()
+        self.callback_queued = False
 
     def _finish_backward(self) -> None:
         for group in reversed(self.groups):

@@ -455,6 +455,72 @@ def sgd_steps(net: nn.Module, rank: int, evaluate_first: bool = False, field=lam
     return net_params(net)
 
 
+def aborted_iterations(hsdp: bool) -> dict:
+    """SGD over five steps, whose second raises in forward (in a block, after its unshard) and
+    whose fourth raises in backward (after a block's gradients went to the reducer, before the
+    others'); each is caught, followed by ``reset_iter_state()`` and skipped. With ``hsdp``
+    (2 nodes x 2 ranks) each step is two micro-batches whose first is reduced within the node
+    and held (set_requires_all_reduce(False)): the fourth fails in its second. Returns the
+    parameters, and those of a run that only takes the other steps."""
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank = dist.get_rank()
+    mesh = None
+    if hsdp:
+        topology = hp.comm.get().topology
+        mesh = init_device_mesh("cpu", (topology.num_nodes, topology.local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    out = {}
+    where = {"step": None}  # which part of this micro-batch fails
+    for name, steps in (("aborted", range(5)), ("clean", (0, 2, 4))):
+        net = sharded_net("hp", mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def in_forward(module, args):
+            if where["step"] == "forward":
+                raise RuntimeError("forward failed")
+
+        def in_backward(module, args, output):
+            def fail(grad):
+                raise RuntimeError("backward failed")
+
+            if where["step"] == "backward":
+                output.register_hook(fail)
+
+        net.blocks[1].register_forward_pre_hook(in_forward)
+        net.blocks[0].register_forward_hook(in_backward)
+        for step in steps:
+            failing = {1: "forward", 3: "backward"}.get(step) if name == "aborted" else None
+            x, y = net_data(rank, step)
+            try:
+                for micro in (0, 1) if hsdp else (1,):
+                    where["step"] = failing if micro == 1 else None
+                    if hsdp:
+                        net.set_requires_all_reduce(micro == 1)
+                    ((net(x[2 * micro:2 * micro + 2]) - y[2 * micro:2 * micro + 2]) ** 2).mean().backward()
+            except RuntimeError as error:
+                assert f"{failing} failed" in str(error)
+                with pytest.raises(RuntimeError, match="on the root module"):
+                    net.blocks[0].reset_iter_state()
+                net.reset_iter_state()
+                opt.zero_grad()  # as with torch: a gradient of an earlier backward stays
+                continue
+            assert failing is None
+            opt.step()
+            opt.zero_grad()
+        out[name] = net_params(net)
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_an_aborted_iteration_is_reset_and_skipped(nodes):
+    """FSDP2's reset_iter_state: hp's run equals the one without the failed steps, bit for bit.
+    (torch's does after the forward failure; after the backward one, measured here, it is 0.038
+    off: the full gradients of the modules whose backward had not finished stay in its next.)"""
+    for result in run(aborted_iterations, nproc=2, nnodes=nodes, args=(nodes == 2,)).values():
+        assert_params_close(result["aborted"], result["clean"], 0.0)
+
+
 def corner_cases() -> dict:
     torch.set_num_threads(1)
     hp.comm.init()

@@ -121,6 +121,10 @@ class ParamGroup {
   // rank is, so that the optimizer may write shards. Backward does this by
   // itself; needed after a forward without backward.
   virtual void release() = 0;
+  // Waits for the last reduction and drops the sum held from reductions made
+  // without all-reduce (HSDP, set_requires_all_reduce(false)): an aborted
+  // iteration's gradients are thrown away (FSDP2's reset_iter_state).
+  virtual void discard_held() = 0;
 
   // Gradients are summed over the job's ranks and divided by `factor`
   // (FSDP2's set_gradient_divide_factor); nullopt: by the number of ranks,
@@ -147,6 +151,8 @@ class ParamGroup {
   // all-reduced over `replicate` when `all_reduce` (returns true), else held
   // in that sum (returns false: there is nothing to hand out yet).
   bool all_reduce_across_nodes(at::Tensor& output, c10d::ProcessGroup& replicate, bool all_reduce);
+  // Drops that held sum (reducer thread idle).
+  void drop_held() { held_ = at::Tensor(); }
 
  private:
   std::optional<double> divide_factor_;
