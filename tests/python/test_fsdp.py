@@ -455,25 +455,27 @@ def sgd_steps(net: nn.Module, rank: int, evaluate_first: bool = False, field=lam
     return net_params(net)
 
 
-def aborted_iterations(hsdp: bool) -> dict:
+def aborted_iterations(hsdp: bool, device_type: str = "cpu") -> dict:
     """SGD over five steps, whose second raises in forward (in a block, after its unshard) and
     whose fourth raises in backward (after a block's gradients went to the reducer, before the
     others'); each is caught, followed by ``reset_iter_state()`` and skipped. With ``hsdp``
     (2 nodes x 2 ranks) each step is two micro-batches whose first is reduced within the node
-    and held (set_requires_all_reduce(False)): the fourth fails in its second. Returns the
-    parameters, and those of a run that only takes the other steps."""
+    and held (set_requires_all_reduce(False)): the fourth fails in its second. Returns this
+    rank's shards, and those of a run that only takes the other steps."""
     torch.set_num_threads(1)
     hp.comm.init()
     rank = dist.get_rank()
-    mesh = None
-    if hsdp:
-        topology = hp.comm.get().topology
-        mesh = init_device_mesh("cpu", (topology.num_nodes, topology.local_world_size),
-                                mesh_dim_names=("replicate", "shard"))
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = hp.comm.device()
+        torch.cuda.set_device(device)
+    topology = hp.comm.get().topology
+    mesh = init_device_mesh(device_type, (topology.num_nodes, topology.local_world_size) if hsdp
+                            else (dist.get_world_size(),))
     out = {}
     where = {"step": None}  # which part of this micro-batch fails
     for name, steps in (("aborted", range(5)), ("clean", (0, 2, 4))):
-        net = sharded_net("hp", mesh=mesh)
+        net = sharded_net("hp", net=Net().to(device), mesh=mesh)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
 
         def in_forward(module, args):
@@ -491,7 +493,7 @@ def aborted_iterations(hsdp: bool) -> dict:
         net.blocks[0].register_forward_hook(in_backward)
         for step in steps:
             failing = {1: "forward", 3: "backward"}.get(step) if name == "aborted" else None
-            x, y = net_data(rank, step)
+            x, y = (t.to(device) for t in net_data(rank, step))
             try:
                 for micro in (0, 1) if hsdp else (1,):
                     where["step"] = failing if micro == 1 else None
@@ -508,7 +510,7 @@ def aborted_iterations(hsdp: bool) -> dict:
             assert failing is None
             opt.step()
             opt.zero_grad()
-        out[name] = net_params(net)
+        out[name] = {n: p.to_local().detach().cpu().clone() for n, p in net.named_parameters()}
     return out
 
 

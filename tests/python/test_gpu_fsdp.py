@@ -9,7 +9,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import MICRO, assert_hsdp_rounds_once, batches, hsdp_bf16_gradients, make_model
+from test_fsdp import (
+    MICRO,
+    aborted_iterations,
+    assert_hsdp_rounds_once,
+    batches,
+    hsdp_bf16_gradients,
+    make_model,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -184,6 +191,16 @@ def assert_within_bf16_noise(results: dict, reference: list[float], noise: float
         worst = max(abs(a - b) for a, b in zip(losses, reference))
         print(f"{label}: max |loss diff| {worst:.3g}, bound from {noise:.3g}")
         assert worst <= 2 * noise + 1e-3
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_an_aborted_iteration_is_reset_and_skipped_on_cuda(nodes, monkeypatch):
+    # Pulls and reductions in flight when forward or backward raises: reset_iter_state waits
+    # for them and drops them, and the run equals the one that skipped those steps.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    for result in run(aborted_iterations, nproc=2, nnodes=nodes, args=(nodes == 2, "cuda")).values():
+        for name, shard in result["clean"].items():
+            assert torch.equal(result["aborted"][name], shard), name
 
 
 @pytest.mark.parametrize("per_node", [1, 2])
