@@ -24,7 +24,7 @@ OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"probe build test comm headline"}
 # The newest first: what has not yet run on a GPU comes before what has (the bars' tests first).
-GPU_TESTS=${GPU_TESTS:-"tests/python/test_gpu_optim.py tests/python/test_gpu_nn.py tests/python/test_gpu_train.py tests/python/test_gpu_fsdp.py tests/python/test_gpu_comm.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/python/test_gpu_optim.py tests/python/test_gpu_nn.py tests/python/test_gpu_train.py tests/python/test_gpu_fsdp.py tests/python/test_gpu_fsdp_edges.py tests/python/test_gpu_comm.py"}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # A wait that no peer will ever end (a bug) raises within a minute, not after the step's whole limit.

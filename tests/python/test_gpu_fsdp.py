@@ -9,14 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import (
-    MICRO,
-    aborted_iterations,
-    assert_hsdp_rounds_once,
-    batches,
-    hsdp_bf16_gradients,
-    make_model,
-)
+from test_fsdp import MICRO, batches, make_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -191,25 +184,6 @@ def assert_within_bf16_noise(results: dict, reference: list[float], noise: float
         worst = max(abs(a - b) for a, b in zip(losses, reference))
         print(f"{label}: max |loss diff| {worst:.3g}, bound from {noise:.3g}")
         assert worst <= 2 * noise + 1e-3
-
-
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_an_aborted_iteration_is_reset_and_skipped_on_cuda(nodes, monkeypatch):
-    # Pulls and reductions in flight when forward or backward raises: reset_iter_state waits
-    # for them and drops them, and the run equals the one that skipped those steps.
-    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
-    for result in run(aborted_iterations, nproc=2, nnodes=nodes, args=(nodes == 2, "cuda")).values():
-        for name, shard in result["clean"].items():
-            assert torch.equal(result["aborted"][name], shard), name
-
-
-@pytest.mark.parametrize("per_node", [1, 2])
-def test_hsdp_bf16_parameters_reduce_across_nodes_in_fp32(per_node, monkeypatch):
-    # One rank a node reduces alone, two through the window's kernel: both keep the node's sum in
-    # fp32 for the all-reduce and round it to bf16 once.
-    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
-    results = run(hsdp_bf16_gradients, nproc=per_node, nnodes=2, args=(("hp",), "cuda"))
-    assert_hsdp_rounds_once(results, nodes=2, per_node=per_node, how="hp")
 
 
 def test_hsdp_one_rank_per_node_bf16_parameters(monkeypatch):

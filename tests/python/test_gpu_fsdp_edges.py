@@ -1,0 +1,32 @@
+"""hp.fully_shard on CUDA at its edges, beside test_gpu_fsdp.py (a file of its own: gpu_check.sh
+runs each file in a process of its own, at once): HSDP's cross-node sum in the reduce dtype, and
+an iteration aborted by an exception, then reset. Several ranks share the one GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fsdp import aborted_iterations, assert_hsdp_rounds_once, hsdp_bf16_gradients
+
+from hyperparallel.launch import run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_an_aborted_iteration_is_reset_and_skipped_on_cuda(nodes, monkeypatch):
+    # Pulls and reductions in flight when forward or backward raises: reset_iter_state waits
+    # for them and drops them, and the run equals the one that skipped those steps.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    for result in run(aborted_iterations, nproc=2, nnodes=nodes, args=(nodes == 2, "cuda")).values():
+        for name, shard in result["clean"].items():
+            assert torch.equal(result["aborted"][name], shard), name
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_hsdp_bf16_parameters_reduce_across_nodes_in_fp32(per_node, monkeypatch):
+    # One rank a node reduces alone, two through the window's kernel: both keep the node's sum in
+    # fp32 for the all-reduce and round it to bf16 once.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    results = run(hsdp_bf16_gradients, nproc=per_node, nnodes=2, args=(("hp",), "cuda"))
+    assert_hsdp_rounds_once(results, nodes=2, per_node=per_node, how="hp")
