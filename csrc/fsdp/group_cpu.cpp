@@ -56,6 +56,7 @@ class CpuParamGroup : public ParamGroup {
   void reshard() override {}
   void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
+  at::Tensor sharded_grad_buffer() const override { return sharded_grad_buffer_.narrow(0, 0, shard_elems_); }
   void release() override;
   void discard_held() override;
 

@@ -171,6 +171,7 @@ class CudaParamGroup : public ParamGroup {
   void reshard() override;
   void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
+  at::Tensor sharded_grad_buffer() const override { return sharded_grad_buffer_; }
   void release() override;
   void discard_held() override;
 

@@ -36,6 +36,7 @@ void bind_fsdp(py::module_& m) {
       .def("reduce", &ParamGroup::reduce, py::arg("grads"),
            py::call_guard<py::gil_scoped_release>())
       .def("sharded_grads", &ParamGroup::sharded_grads, py::call_guard<py::gil_scoped_release>())
+      .def("sharded_grad_buffer", &ParamGroup::sharded_grad_buffer)
       .def("release", &ParamGroup::release, py::call_guard<py::gil_scoped_release>())
       .def("discard_held", &ParamGroup::discard_held, py::call_guard<py::gil_scoped_release>())
       .def("set_gradient_divide_factor", &ParamGroup::set_gradient_divide_factor, py::arg("factor"))

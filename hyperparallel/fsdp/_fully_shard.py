@@ -164,6 +164,23 @@ class FSDPModule:
                                f"which drove the aborted forward, not on {type(self).__name__}")
         root.reset()
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """``hook(reduce_output)`` runs on this module's reduced gradients before they are
+        handed out, as torch's: after the reduce-scatter, or with HSDP after the all-reduce
+        across nodes (e.g. to all-reduce them over another mesh dimension). ``reduce_output``
+        is the flat buffer the sharded gradients are views of, in the parameters' dtype (torch
+        passes its reduce dtype), averaged over the ranks; the hook may change it in place. On a
+        GPU, ``stream`` runs it on that stream, ordered after the reduction and before the
+        gradients' use (not with HSDP, as torch's). Not recursive, as torch's."""
+        state = self._hp_state
+        if stream is not None:
+            if not state.on_device:
+                raise ValueError("set_all_reduce_hook: a stream is for CUDA parameters; these are on the CPU")
+            if state.mesh.ndim == 2:
+                raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP (as torch's)")
+        state.all_reduce_hook = hook
+        state.all_reduce_hook_stream = stream
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for compatibility: hp's reductions are sums already, scaled once in the
         reducing kernel (across nodes, an all-reduce with ``SUM``)."""

@@ -111,6 +111,10 @@ class GroupState:
         self.gathered = False
         self.pending_backwards = 0  # forward calls this iteration whose backward has not reached us
         self.reduced = False  # a reduction was handed to C++ this backward
+        # FSDP2's all-reduce hook: called on the flat reduced gradients before they are handed
+        # out (after the nodes' all-reduce with HSDP), on ``all_reduce_hook_stream`` if set.
+        self.all_reduce_hook = None
+        self.all_reduce_hook_stream = None
         self.root: RootContext | None = None  # the root that drives this group, once it ran
 
     # -- registration ---------------------------------------------------------------------------
@@ -267,6 +271,8 @@ class GroupState:
         if self.reduced:
             self.reduced = False
             grads = self.core.sharded_grads()
+            if self.all_reduce_hook is not None and any(grad is not None for grad in grads):
+                self._run_all_reduce_hook(self.core.sharded_grad_buffer())
             for ref, grad in zip(self.refs, grads):
                 if grad is None:
                     continue
@@ -284,6 +290,16 @@ class GroupState:
             self.core.release()  # peers' pulls of our rows are done before the optimizer writes them
         self.training_state = TrainingState.IDLE
 
+
+    def _run_all_reduce_hook(self, flat: torch.Tensor) -> None:
+        stream = self.all_reduce_hook_stream
+        if stream is None:
+            self.all_reduce_hook(flat)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.all_reduce_hook(flat)
+        torch.cuda.current_stream().wait_stream(stream)
 
     def abort_iteration(self) -> None:
         """An exception ended this iteration: throw its gradients away (the reductions handed

@@ -593,6 +593,22 @@ def corner_cases() -> dict:
         ((net(x) - y) ** 2).mean().backward()
         grads[factor] = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
     out["divide factor 1"] = grads
+    # set_all_reduce_hook: each group's hook sees its flat reduced gradients before they are
+    # handed out, and what it does to them is what the gradients are.
+    seen = []
+
+    def double(flat: torch.Tensor) -> None:
+        seen.append(flat.numel())
+        flat.mul_(2)
+
+    net = sharded_net("hp")
+    for module in (net, *net.blocks):
+        module.set_all_reduce_hook(double)
+    x, y = net_data(rank, 0)
+    ((net(x) - y) ** 2).mean().backward()
+    shard_sizes = [sum(ref.sharded.to_local().numel() for ref in m._hp_state.refs) for m in (net, *net.blocks)]
+    out["all-reduce hook"] = ({n: p.grad.full_tensor() for n, p in net.named_parameters()}, sorted(seen),
+                              sorted(shard_sizes))
     return out
 
 
@@ -623,6 +639,9 @@ def test_evaluation_checkpointing_dataclasses_skipped_modules_and_accumulation_a
         assert all(torch.equal(total[n], 2 * average[n]) for n in average)
         quarter = result["divide factor 1"][4.0]
         assert all(torch.equal(quarter[n], total[n] / 4) for n in average)
+        doubled, seen, shard_sizes = result["all-reduce hook"]
+        assert all(torch.equal(doubled[n], 2 * average[n]) for n in average)
+        assert seen == shard_sizes  # one call a group, on its whole shard
 
 
 def meta_init() -> tuple[dict, dict]:
@@ -726,3 +745,13 @@ def test_dropped_models_leave_no_shared_memory_behind():
     and its hooks form reference cycles, so that happens at Python's next collection."""
     for counts in run(rebuilt_models, nproc=2, args=(4,)).values():
         assert counts[1:] == [counts[1]] * 3, f"hp shared mappings after each model: {counts}"
+
+
+def test_every_method_of_torchs_fsdp_module_is_there():
+    """Code written for FSDP2 calls FSDPModule's methods on hp's modules; each is there (doing
+    what torch's does, or saying why hp has nothing to do or refuses). A torch that adds one
+    fails this test until hp has it."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    public = {name for name in dir(TorchFSDPModule) if not name.startswith("_")}
+    assert public - set(dir(hp.fsdp.FSDPModule)) == set()

@@ -117,6 +117,9 @@ class ParamGroup {
   // parameters' dtype), nullopt for parameters that got no gradient here
   // (CPU: on no rank of the job, so that every rank holds the same ones).
   virtual std::vector<std::optional<at::Tensor>> sharded_grads() = 0;
+  // After sharded_grads(): the one flat buffer every sharded gradient it
+  // returned is a view of (FSDP2's reduce output, for its all-reduce hook).
+  virtual at::Tensor sharded_grad_buffer() const = 0;
   // Declares this rank done reading its peers' rows and waits until every
   // rank is, so that the optimizer may write shards. Backward does this by
   // itself; needed after a forward without backward.
