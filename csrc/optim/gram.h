@@ -20,10 +20,11 @@
 //
 // These kernels compute the same sums in the same order, but only for the
 // 32-column blocks of the upper triangle (and the diagonal blocks whole):
-// the caller mirrors the rest. The dot GEMM's blocks are those of contiguous
-// operands: for a transposed one past k = 1024 they differ between CPUs
-// (512 on a Zen 4, 1024 on a Zen 5), and the caller runs torch's own call. That is about half the work of the full
+// the caller mirrors the rest. That is about half the work of the full
 // product. tests/python/test_muon.py checks them bit for bit against torch.
+// The dot GEMM's blocks are those of contiguous operands: for a transposed
+// one past k = 1024 they differ between CPUs (512 on a Zen 4, 1024 on a
+// Zen 5), and the caller runs torch's own call there.
 #pragma once
 
 #include <cstdint>

@@ -290,7 +290,6 @@ class GroupState:
             self.core.release()  # peers' pulls of our rows are done before the optimizer writes them
         self.training_state = TrainingState.IDLE
 
-
     def _run_all_reduce_hook(self, flat: torch.Tensor) -> None:
         stream = self.all_reduce_hook_stream
         if stream is None:
