@@ -173,6 +173,15 @@ def test_hsdp_2x2_equals_fsdp_over_4():
         assert_params_close(hp_params, expected_params, 3e-5)
 
 
+def rank_device(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: the CPU, or its GPU (made current)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    device = hp.comm.device()
+    torch.cuda.set_device(device)
+    return device
+
+
 class Product(nn.Module):
     """``(w * x).sum()``: w's gradient is x itself, in any dtype that holds x."""
 
@@ -197,10 +206,7 @@ def hsdp_bf16_gradients(hows: tuple[str, ...], device_type: str = "cpu") -> dict
     ``device_type``, for each of ``hows`` ("hp", "torch"); returns this rank's gradient shards."""
     torch.set_num_threads(1)
     hp.comm.init()
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = hp.comm.device()
-        torch.cuda.set_device(device)
+    device = rank_device(device_type)
     topology = hp.comm.get().topology
     mesh = init_device_mesh(device.type, (topology.num_nodes, topology.local_world_size),
                             mesh_dim_names=("replicate", "shard"))
@@ -465,10 +471,7 @@ def aborted_iterations(hsdp: bool, device_type: str = "cpu") -> dict:
     torch.set_num_threads(1)
     hp.comm.init()
     rank = dist.get_rank()
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = hp.comm.device()
-        torch.cuda.set_device(device)
+    device = rank_device(device_type)
     topology = hp.comm.get().topology
     mesh = init_device_mesh(device_type, (topology.num_nodes, topology.local_world_size) if hsdp
                             else (dist.get_world_size(),))
