@@ -206,6 +206,7 @@ class CudaParamGroup : public ParamGroup {
   std::unique_ptr<fabric::DeviceSignal> pulled_;       // this rank finished a pull of its peers' rows
   fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, reduced_at_;
   uint64_t publish_round_ = 0;
+  uint64_t released_round_ = 0;  // pulled_'s round the last release waited for
   bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
   at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
   std::vector<bool> has_grad_;
@@ -279,10 +280,13 @@ CudaParamGroup::~CudaParamGroup() {
   try {
     reducer_->wait(ticket_);
     // Peers may still be pulling this rank's rows: their memory goes only
-    // after the last pull.
+    // after the last pull. If the last release already waited for it, the
+    // peers' events are not touched again (a peer may have destroyed them:
+    // groups die when each process's garbage collector gets to them).
     if (pulled_ && pulled_->posted() > 0) {
       c10::DeviceGuard guard(device_);
-      pulled_->wait_all(pulled_->posted(), compute(), "freeing a group (peers finishing their pulls)");
+      if (pulled_->posted() > released_round_)
+        pulled_->wait_all(pulled_->posted(), compute(), "freeing a group (peers finishing their pulls)");
       fabric::device::synchronize(compute());
     }
   } catch (...) {
@@ -355,7 +359,13 @@ void CudaParamGroup::begin_unshard() {
     }
     copies.run(all_gather);
   }
-  pulled_->post(all_gather);
+  // A peer waits only for the last pull before it writes its rows (release,
+  // the destructor), and cannot pull again before that wait (its next rows
+  // are published after it): a pull needs no acknowledgement before its slot
+  // is recorded again. Without this, a ninth pull before a release (eight
+  // forwards sharing one backward, an evaluation with grad enabled) would
+  // wait for acknowledgements that come only at the release.
+  pulled_->acknowledge(pulled_->post(all_gather));
   unsharded_at_.record(all_gather);
   pull_pending_ = true;
 }
@@ -386,7 +396,9 @@ void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   if (sharded_grad_buffer_.defined() && sharded_grad_buffer_.storage().use_count() == 1) {
     output = sharded_grad_buffer_;  // nothing holds the last step's gradients
   } else {
-    output = at::empty({layout_.shard_capacity}, at::TensorOptions().dtype(dtype_).device(device_));
+    // Zeros: the kernels write the parameters' rows only, and the padding
+    // between them must read as nothing to an all-reduce hook's norm.
+    output = at::zeros({layout_.shard_capacity}, at::TensorOptions().dtype(dtype_).device(device_));
     sharded_grad_buffer_ = output;
   }
   // The gradients and the output are ready on the compute stream here. The
@@ -413,7 +425,7 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
   // stays in it and is cast to the shards' dtype once, after the nodes'
   // all-reduce (bf16 shards with an fp32 reduce round once).
   at::Tensor sum = options_.replicate && grad_dtype_ != dtype_
-                       ? at::empty({layout_.shard_capacity}, output.options().dtype(grad_dtype_))
+                       ? at::zeros({layout_.shard_capacity}, output.options().dtype(grad_dtype_))
                        : output;
   if (ranks() == 1) {
     reduce_alone(grads, sum, scale);
@@ -510,8 +522,13 @@ void CudaParamGroup::release() {
   if (pulled_->posted() > 0)
     pulled_->wait_all(pulled_->posted(), compute(), "release (peers finishing reading this rank's rows)");
   // The next iteration publishes new rows and pulls them again, into the
-  // storage still held if the group was not resharded.
+  // storage still held if the group was not resharded. This round's rows
+  // will not be waited for any more (a group no forward reached was never
+  // unsharded): acknowledge them, or nine such iterations would block the
+  // ninth publish.
+  if (published_) shard_ready_->acknowledge(publish_round_);
   published_ = false;
+  released_round_ = pulled_->posted();
   if (pull_pending_) unsharded_at_.wait(compute());
   pull_pending_ = unsharded_ = false;
 }

@@ -526,6 +526,49 @@ def test_an_aborted_iteration_is_reset_and_skipped(nodes):
         assert_params_close(result["aborted"], result["clean"], 0.0)
 
 
+def long_iterations(device_type: str = "cpu") -> dict:
+    """Groups run many times between two ends of backward, or not at all: a step whose loss sums
+    twelve forwards (one backward), twelve forwards with grad enabled and no backward (an
+    evaluation without no_grad), ten steps in which no input reaches block 1, then one that
+    does. Returns this rank's full parameters after, hp's and a one-process reference's that
+    sums every rank's losses (the ranks' mean gradient, as data parallelism computes it)."""
+    torch.set_num_threads(1)
+    hp.comm.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device(device_type)
+    mesh = init_device_mesh(device_type, (world,))
+    steps = [((0, 1), 12)] + [((0,), 1)] * 10 + [((0, 1), 1)]  # (route, forwards) per step
+    out = {}
+    for how in ("hp", "one process"):
+        net = Net().to(device)
+        if how == "hp":
+            net = sharded_net("hp", net=net, mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step, (route, forwards) in enumerate(steps):
+            if step == 1:
+                for _ in range(12):
+                    net(net_data(rank, 99)[0].to(device))
+            losses = []
+            for r in (rank,) if how == "hp" else range(world):
+                x, y = (t.to(device) for t in net_data(r, step))
+                for i in range(forwards):
+                    rows = slice(i % 4, i % 4 + 1) if forwards > 1 else slice(None)
+                    losses.append(((net(x[rows], route) - y[rows]) ** 2).mean() / forwards)
+            (sum(losses) / (1 if how == "hp" else world)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[how] = {name: (p.full_tensor() if how == "hp" else p).detach().cpu() for name, p in net.named_parameters()}
+    return out
+
+
+def test_groups_run_many_times_or_never_between_backwards():
+    """Twelve forwards before one backward, twelve without one, and a block no input reaches for ten
+    steps: no wait is left unanswered (each would otherwise outlive its bounded history), and the
+    parameters equal one process's."""
+    for result in run(long_iterations, nproc=2).values():
+        assert_params_close(result["hp"], result["one process"], 1e-6)
+
+
 def corner_cases() -> dict:
     torch.set_num_threads(1)
     hp.comm.init()

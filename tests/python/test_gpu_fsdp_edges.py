@@ -1,12 +1,19 @@
 """hp.fully_shard on CUDA at its edges, beside test_gpu_fsdp.py (a file of its own: gpu_check.sh
 runs each file in a process of its own, at once): HSDP's cross-node sum in the reduce dtype, and
-an iteration aborted by an exception, then reset. Several ranks share the one GPU."""
+an iteration aborted by an exception, then reset, and groups run many times or never between two
+ends of backward. Several ranks share the one GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fsdp import aborted_iterations, assert_hsdp_rounds_once, hsdp_bf16_gradients
+from test_fsdp import (
+    aborted_iterations,
+    assert_hsdp_rounds_once,
+    assert_params_close,
+    hsdp_bf16_gradients,
+    long_iterations,
+)
 
 from hyperparallel.launch import run
 
@@ -30,3 +37,11 @@ def test_hsdp_bf16_parameters_reduce_across_nodes_in_fp32(per_node, monkeypatch)
     monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
     results = run(hsdp_bf16_gradients, nproc=per_node, nnodes=2, args=(("hp",), "cuda"))
     assert_hsdp_rounds_once(results, nodes=2, per_node=per_node, how="hp")
+
+
+def test_groups_run_many_times_or_never_between_backwards_on_cuda():
+    # A pull's and a publish's device signals keep 8 rounds of IPC events: twelve pulls before a
+    # release, or ten publishes of a group no forward reaches, must not wait for acknowledgements
+    # that would come only after them.
+    for result in run(long_iterations, nproc=2, args=("cuda",)).values():
+        assert_params_close(result["hp"], result["one process"], 1e-5)
