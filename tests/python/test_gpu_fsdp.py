@@ -89,9 +89,10 @@ def train(model, data, rank: int, world: int, device, clip: float | None = None,
     return losses
 
 
-def one_process(world: int, param_dtype=None, steps: int = STEPS) -> tuple[list[float], dict]:
+def one_process(world: int, param_dtype=None, steps: int = STEPS, micro: int = 1) -> tuple[list[float], dict]:
     """The reference: the whole global batch in one process on the same GPU, the loss as the mean
-    of per-rank means (the objective the ranks optimise)."""
+    of per-rank means (the objective the ranks optimise), each rank's in ``micro`` micro-batches
+    as the ranks run them (the GEMMs' shapes, and so their sums' order, the same)."""
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     model = make_model().to(device)
@@ -101,7 +102,7 @@ def one_process(world: int, param_dtype=None, steps: int = STEPS) -> tuple[list[
     losses = []
     for batch in batches(world, steps):
         batch = batch.to(device)
-        loss = sum(model(b, labels=b).loss for b in batch.chunk(world)) / world
+        loss = sum(model(b, labels=b).loss for b in batch.chunk(world * micro)) / (world * micro)
         loss.backward()
         losses.append(loss.item())
         opt.step()
@@ -138,10 +139,10 @@ def assert_params_close(got: dict, expected: dict, atol: float) -> None:
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
 
 
-def assert_equal_to_one_process(results: dict, world: int, label: str) -> list[float]:
+def assert_equal_to_one_process(results: dict, world: int, label: str, micro: int = 1) -> list[float]:
     """Every rank's losses (within 1e-5) and full parameters (1e-4) against the one-process run of
-    ``world`` ranks' batches; returns its losses."""
-    expected_losses, expected_params = one_process(world=world)
+    ``world`` ranks' batches (``micro`` micro-batches each); returns its losses."""
+    expected_losses, expected_params = one_process(world=world, micro=micro)
     for losses, params, _ in results.values():
         worst = max(abs(a - b) for a, b in zip(losses, expected_losses))
         print(f"{label}: max |loss diff| vs one process {worst:.3g}")
@@ -175,7 +176,7 @@ def test_hsdp_on_cuda_equals_one_process(per_node, monkeypatch):
 def test_hsdp_accumulation_all_reduces_once_on_cuda():
     # set_requires_all_reduce(False) on the first of two micro-batches: held within the node.
     results = run(hp_on_cuda, nproc=2, nnodes=2, args=(None, False, 2, None, True))
-    assert_equal_to_one_process(results, 4, "HSDP 2 nodes x 2, all-reduce once per 2 micro-batches")
+    assert_equal_to_one_process(results, 4, "HSDP 2 nodes x 2, all-reduce once per 2 micro-batches", micro=2)
 
 
 def assert_within_bf16_noise(results: dict, reference: list[float], noise: float, label: str) -> None:
