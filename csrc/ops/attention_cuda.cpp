@@ -71,9 +71,11 @@ std::tuple<at::Tensor, at::Tensor> norm_rope_backward_cuda(const at::Tensor& gra
   const cuda::NormRope shape = shape_of(x, c, 0.0);
   const int64_t rows = shape.batch * shape.seq * shape.heads;
   at::Tensor dx = at::empty_like(x);
-  // Row blocks for the weight's gradient: enough to fill the GPU, each
-  // summing a few thousand rows; the partial sums are added here.
-  const int64_t partials = std::clamp<int64_t>(rows / 2048, 1, 264);
+  // Row blocks for the weight's gradient, each summing 32 rows (a thread
+  // walks its column down them one after another, so fewer, longer blocks
+  // leave the GPU idle: seq 4096 x 16 heads would be 32 blocks of 2048 rows);
+  // at most 4096 partial rows (2 MiB at head_dim 128), added here.
+  const int64_t partials = std::clamp<int64_t>((rows + 31) / 32, 1, 4096);
   at::Tensor partial = at::empty({partials, shape.d}, x.options().dtype(at::kFloat));
   cuda::norm_rope_backward(cuda_dtype(x), shape, g.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr(),
                            c.const_data_ptr<float>(), s.const_data_ptr<float>(), rstd.contiguous().const_data_ptr<float>(),
@@ -139,28 +141,30 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                                                   const at::Tensor& cos, const at::Tensor& sin,
                                                   const std::optional<at::Tensor>& mask, double q_eps, double k_eps,
                                                   double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(2) > 0 &&
-                  q.size(2) % k.size(2) == 0,
+  // Sizes are read as SymInts: under torch.compile this very function traces
+  // the graph (it serves AutogradCUDA), and a dynamic shape has no int size.
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sym_sizes() == v.sym_sizes() &&
+                  k.sym_size(2) > 0 && q.sym_size(2) % k.sym_size(2) == 0,
               "hyperparallel::attention: q (batch, seq, heads, head_dim) and k, v (batch, seq, kv_heads, head_dim) "
               "with kv_heads dividing heads; got q ",
-              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+              q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes());
   // The kernels read cos and sin in float32: convert them once here, not in
   // each of q's and k's passes both ways.
   const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
   const at::Tensor q_rope = norm_rope(q, q_norm_weight, c, s, q_eps);
   const at::Tensor k_rope = norm_rope(k, k_norm_weight, c, s, k_eps);
   at::Tensor keys = k_rope, values = v.transpose(1, 2);
-  const int64_t group = q.size(2) / k.size(2), seq = q.size(1);
+  const c10::SymInt group = q.sym_size(2) / k.sym_size(2), seq = q.sym_size(1);
   // The op's mask applies on top of causality; SDPA takes one or the other.
   std::optional<at::Tensor> attn_mask;
   if (mask) {
     TORCH_CHECK((mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type())) && mask->dim() == 4 &&
-                    (mask->size(0) == 1 || mask->size(0) == q.size(0)) && mask->size(1) == 1 &&
-                    mask->size(2) == seq && mask->size(3) == seq,
+                    (mask->sym_size(0) == 1 || mask->sym_size(0) == q.sym_size(0)) && mask->sym_size(1) == 1 &&
+                    mask->sym_size(2) == seq && mask->sym_size(3) == seq,
                 "hyperparallel::attention: the mask must be bool (true = attend) or additive floating point, shaped "
                 "(1 or batch, 1, seq, seq); got ",
-                mask->scalar_type(), " ", mask->sizes());
-    const at::Tensor causal = at::ones({seq, seq}, mask->options().dtype(at::kBool)).tril();
+                mask->scalar_type(), " ", mask->sym_sizes());
+    const at::Tensor causal = at::ones_symint({seq, seq}, mask->options().dtype(at::kBool)).tril();
     attn_mask = mask->scalar_type() == at::kBool
                     ? mask->logical_and(causal)
                     : mask->to(q.scalar_type()).masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity());
@@ -170,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   // heads repeated, as HF's repeat_kv does.
   const bool native_groups = group == 1 || (!mask && q.scalar_type() != at::kFloat);
   if (!native_groups) {
-    keys = keys.repeat_interleave(group, 1);
-    values = values.repeat_interleave(group, 1);
+    keys = keys.repeat_interleave_symint(group, 1);
+    values = values.repeat_interleave_symint(group, 1);
   }
   at::Tensor out = at::scaled_dot_product_attention(q_rope, keys, values, attn_mask, 0.0, !mask.has_value(), scale,
                                                     group > 1 && native_groups);

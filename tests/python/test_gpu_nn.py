@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from test_nn_patch import DENSE_CONFIGS, MOE_CONFIGS, build, make_config
+from test_nn_patch import DENSE_CONFIGS, MOE_CONFIGS, _graph_recorder, build, make_config
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
@@ -224,3 +224,24 @@ def test_experts_kernel_matches_hf_grouped_mm_with_idle_experts(dtype):
     for got, expected in zip(results[1], results[0]):
         assert _rel(got, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
     assert results[1][3][6:].abs().max() == 0 and results[1][4][6:].abs().max() == 0
+
+
+def test_one_compiled_graph_serves_every_sequence_length():
+    """torch.compile(dynamic=True, fullgraph=True) of a patched model on CUDA: one graph for three
+    sequence lengths, each matching HF's eager logits. On CUDA the attention op's AutogradCUDA
+    kernel is what the compiler traces, so it must read sizes symbolically: an int size would
+    specialise the graph to the first length and compile again for each new one."""
+    values = dict(MOE_CONFIGS["h4-kv2-d16-e8-k2-norm"])
+    values.pop("seq")
+    hf, _ = build(make_config("moe", **values), seed=15, patch=False)
+    hf = hf.to(DEVICE).eval()
+    ours = copy.deepcopy(hf)
+    hpnn.patch(ours)
+    graphs: list = []
+    compiled = torch.compile(ours.forward, fullgraph=True, dynamic=True, backend=_graph_recorder(graphs))
+    for seq in (9, 13, 17):
+        ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq)).to(DEVICE)
+        with torch.no_grad():
+            got, expected = compiled(input_ids=ids, use_cache=False).logits, hf(input_ids=ids, use_cache=False).logits
+        assert _rel(got, expected) <= 1e-5, (seq, _rel(got, expected))
+    assert len(graphs) == 1 and "hyperparallel.attention" in graphs[0], [sorted(g) for g in graphs]
