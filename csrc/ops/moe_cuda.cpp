@@ -207,6 +207,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_forward_cuda(
               "hyperparallel::moe_experts: expects input (tokens, hidden), gate_up_proj (experts, 2 * inter, hidden), "
               "down_proj (experts, hidden, inter), top_k_index (int64) and top_k_weights (tokens, top_k); got ",
               input.sizes(), ", ", gate_up.sizes(), ", ", down.sizes(), ", ", index.sizes(), ", ", weights.sizes());
+  // torch._grouped_mm reads rows 16 bytes at a time (and pads its outputs'
+  // rows to 16 bytes otherwise, which the meta kernels do not declare).
+  const int64_t per_16_bytes = 16 / int64_t(input.element_size());
+  TORCH_CHECK(input.size(1) % per_16_bytes == 0 && down.size(2) % per_16_bytes == 0,
+              "hyperparallel::moe_experts on CUDA: torch._grouped_mm needs hidden_size and moe_intermediate_size to "
+              "be multiples of ", per_16_bytes, " for ", input.scalar_type(), "; got ", input.size(1), " and ",
+              down.size(2), ". Run HF's experts for this model instead: model.set_experts_implementation(\"eager\")");
   c10::DeviceGuard guard(input.device());
   const int64_t T = input.size(0), K = index.size(1), E = gate_up.size(0);
   const at::Tensor flat = index.reshape(-1);
