@@ -282,7 +282,9 @@ DeviceMuon::DeviceMuon(std::vector<ParamSpec> params, comm::Communicator* comm, 
       const int64_t count = shard_rows(matrix, g).second;
       if (count == 0 || matrix.owner == node_ * ranks_ + g) continue;
       matrix.rows_at[g] = rows_section_ + rows_bytes[g];
-      rows_bytes[g] += count * pools_[matrix.pool].cols * 2;
+      // 16-byte starts: the one-pass kernels take their vector path only
+      // where every pointer they get is aligned.
+      rows_bytes[g] += (count * pools_[matrix.pool].cols * 2 + 15) / 16 * 16;
     }
   }
   if (!sharded.empty()) {

@@ -226,7 +226,8 @@ void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
       gram = at::bmm(x, x.transpose(1, 2));
       update = at::baddbmm(gram, gram, gram, options.b, options.c);
     }
-    // A wide batch's last round lands in the batch itself: no copy after.
+    // A wide batch's last round lands in the batch itself: no allocation and
+    // no copy back (baddbmm_out copies x into it first, as beta = a != 0).
     if (!tall && step == options.steps - 1) {
       at::Tensor out = batch;
       at::baddbmm_out(out, x, update, x, options.a, 1.0);
