@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU (the lent H200 machine, or your own), build the
 # extension against the torch that is there, run the tests marked `gpu`, then the GPU benchmarks.
-# Logs go to $OUT (default: runs/gpu_check). Each step has its own time limit and the script goes
+# Logs go to $LOGS (default: $OUT, itself runs/gpu_check by default). Each step has its own time limit and the script goes
 # on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
 #
 #   bash scripts/gpu_check.sh                 # everything: build about 2 minutes (seconds with HP_PREBUILT),
@@ -14,6 +14,10 @@
 #   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
 #                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
 #   GPU_TESTS="tests/python/test_gpu_optim.py" bash scripts/gpu_check.sh   # some of the gpu tests
+#   TEST_LIMIT=200 bash scripts/gpu_check.sh  # the test step's limit in seconds (default 280)
+#   LOGS=/tmp/gc bash scripts/gpu_check.sh    # logs there, and packed into $OUT/gpu_check-logs.tgz after every
+#                                             # step: the device tool brings back 8 files of $OUT, a run writes a
+#                                             # dozen logs, and a call cut short keeps the finished steps' logs
 #
 # Nothing is installed from a package index: the build uses that machine's cmake, ninja, nvcc and
 # torch (>= 2.11, with CUDA). Wheels in .whl/ (e.g. the transformers version CI pins) are put on
@@ -21,7 +25,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
-mkdir -p "$OUT"
+LOGS=${LOGS:-$OUT}
+mkdir -p "$OUT" "$LOGS"
 STEPS=${STEPS:-"probe build test comm headline"}
 # The newest first: what has not yet run on a GPU comes before what has (the bars' tests first).
 GPU_TESTS=${GPU_TESTS:-"tests/python/test_gpu_optim.py tests/python/test_gpu_nn.py tests/python/test_gpu_train.py tests/python/test_gpu_fsdp.py tests/python/test_gpu_fsdp_edges.py tests/python/test_gpu_comm.py"}
@@ -31,17 +36,18 @@ export PYTHONUNBUFFERED=1
 export HP_TIMEOUT=${HP_TIMEOUT:-60}
 failed=()
 
-step() {  # step NAME SECONDS COMMAND...: runs it under a limit, logs to $OUT/NAME.log
+step() {  # step NAME SECONDS COMMAND...: runs it under a limit, logs to $LOGS/NAME.log
   local name=$1 limit=$2
   shift 2
   [[ " $STEPS " == *" $name "* ]] || return 0
   local start=$SECONDS
   echo "== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   local status=$?
   echo "== $name: exit $status after $((SECONDS - start)) s"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$LOGS/$name.log"
   [[ $status == 0 ]] || failed+=("$name")
+  [[ $LOGS -ef $OUT ]] || tar czf "$OUT/gpu_check-logs.tgz" -C "$LOGS" .
 }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -85,7 +91,7 @@ tests() {
   # which tests passed, failed or were running.
   local per_test=() pids=() names=() status=0 file i
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
-  # A process per file, all files at once (each log in $OUT/<file>.log): a kernel's fault poisons
+  # A process per file, all files at once (each log in $LOGS/<file>.log): a kernel's fault poisons
   # its process's CUDA context, not the other files', and the files' runs, mostly process starts
   # and tiny models, overlap on the GPU instead of queueing for scarce device time. Correctness
   # only: the benchmarks run after, alone. Kernels launch synchronously in test_gpu_nn, so a
@@ -96,29 +102,29 @@ tests() {
       [[ $file == *test_gpu_nn.py ]] && export CUDA_LAUNCH_BLOCKING=1
       exec timeout -s INT --kill-after=10 $((TEST_LIMIT - 25)) \
         "$PYTHON" -m pytest -v -m gpu -p no:cacheprovider -rA --durations=8 "${per_test[@]}" "$file"
-    ) >"$OUT/${names[-1]}.log" 2>&1 &
+    ) >"$LOGS/${names[-1]}.log" 2>&1 &
     pids+=($!)
   done
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || status=1
-    echo "-- ${names[$i]}: $(tail -n 1 "$OUT/${names[$i]}.log")"
+    echo "-- ${names[$i]}: $(tail -n 1 "$LOGS/${names[$i]}.log")"
   done
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv  # what the tests left on the GPU
   return $status
 }
 
-TEST_LIMIT=280
-export PYTHON OUT HP_PREBUILT GPU_TESTS TEST_LIMIT
+TEST_LIMIT=${TEST_LIMIT:-280}
+export PYTHON OUT LOGS HP_PREBUILT GPU_TESTS TEST_LIMIT
 export -f probe build tests
 step probe 30 probe
 step build 200 build
 step test $TEST_LIMIT tests
 # The benchmarks alone on the GPU: comm first (the shorter), headline's parts print as they end.
-step comm 150 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$OUT/gpu_comm.json"'
+step comm 150 '"$PYTHON" bench/gpu_comm.py --max-mib 1024 --repeats 8 --json "$LOGS/gpu_comm.json"'
 step headline 330 '"$PYTHON" bench/gpu_headline.py'
 
 if ((${#failed[@]})); then
-  echo "gpu_check: failed steps: ${failed[*]} (logs in $OUT)"
+  echo "gpu_check: failed steps: ${failed[*]} (logs in $LOGS)"
   exit 1
 fi
-echo "gpu_check: all steps passed (logs in $OUT)"
+echo "gpu_check: all steps passed (logs in $LOGS)"
