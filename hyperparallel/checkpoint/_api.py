@@ -393,14 +393,20 @@ def load_verified(state_dict: dict[str, Any], path: str | os.PathLike, *, proces
 
 
 def _stage(value):
-    """A snapshot of ``value``: tensors (DTensor shards included) cloned, containers copied."""
+    """A snapshot of ``value`` in host memory: tensors (DTensor shards included) copied, containers
+    copied. A GPU's tensors come to the host here, as torch DCP's async staging brings them: a
+    device clone would hold a second state on the GPU while training goes on, and the writer
+    thread would read it on a stream of its own, ordered after nothing. This copy runs on the
+    caller's stream and is complete when it returns."""
     if isinstance(value, DTensor):
+        if value.device.type != "cpu":
+            return value.detach().to("cpu")  # a DTensor whose local shard is on the CPU, as DCP stages it
         local = value.to_local().detach().clone()
         return DTensor.from_local(
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: _stage(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -479,8 +485,9 @@ class AsyncSave:
 def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=None) -> AsyncSave:
     """Start saving ``state_dict`` to ``path`` in the background and return at once.
 
-    The state is copied first (in the caller, so training may change the
-    parameters right after this returns); the files are written and published
+    The state is copied first, into host memory (in the caller, so training
+    may change the parameters right after this returns, and a GPU's state
+    costs no device memory while it is written); the files are written and published
     by a background thread with the same guarantees as :func:`save`. Every
     rank must call it; call ``.result()`` before relying on the checkpoint.
 

@@ -237,7 +237,7 @@ def test_bf16_mixed_precision_within_fsdp2s_own_deviation(world):
                              "FSDP2's)")
 
 
-def clip_and_checkpoint(path: str) -> tuple:
+def clip_and_checkpoint(path: str, asynchronous: bool) -> tuple:
     hp.comm.init()
     device = _device()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -253,8 +253,13 @@ def clip_and_checkpoint(path: str) -> tuple:
     model = build()
     data = batches(world, 6)
     first = train(model, data[:3], rank, world, device, clip=0.5)
-    hp.checkpoint.save({"model": model.state_dict()}, path)
-    after_save = train(model, data[3:], rank, world, device, clip=0.5)
+    if asynchronous:  # staged to the host before it returns: the training after changes nothing saved
+        pending = hp.checkpoint.async_save({"model": model.state_dict()}, path)
+        after_save = train(model, data[3:], rank, world, device, clip=0.5)
+        pending.result()
+    else:
+        hp.checkpoint.save({"model": model.state_dict()}, path)
+        after_save = train(model, data[3:], rank, world, device, clip=0.5)
     fresh = build()
     state = {"model": fresh.state_dict()}
     hp.checkpoint.load(state, path)
@@ -264,8 +269,9 @@ def clip_and_checkpoint(path: str) -> tuple:
     return first, after_save, after_load
 
 
-def test_clip_grad_norm_and_checkpoint_on_cuda_shards(tmp_path):
-    results = run(clip_and_checkpoint, nproc=2, args=(str(tmp_path / "ckpt"),))
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_clip_grad_norm_and_checkpoint_on_cuda_shards(tmp_path, asynchronous):
+    results = run(clip_and_checkpoint, nproc=2, args=(str(tmp_path / "ckpt"), asynchronous))
     for first, after_save, after_load in results.values():
         assert first[-1] < first[0]
         # Training resumed from the checkpoint repeats the run that continued after saving
