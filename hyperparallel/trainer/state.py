@@ -6,7 +6,8 @@ optimizer state keyed by parameter name, DTensor shards as they are) plus::
     "trainer": {"step": int, "loader": {...}, "rng": [per-rank torch RNG states], "config": {...}}
 
 so a checkpoint is readable by ``torch.distributed.checkpoint`` and resumes at the
-exact sample with the same random state on every rank.
+exact sample with the same random state on every rank (torch's CPU generator; a
+GPU's starts again from the seed, and nothing the trainer runs there draws from it).
 """
 
 from __future__ import annotations
