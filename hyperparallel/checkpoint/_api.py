@@ -32,7 +32,6 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from hyperparallel import _C
 from hyperparallel import comm as hp_comm
@@ -398,14 +397,7 @@ def _stage(value):
     device clone would hold a second state on the GPU while training goes on, and the writer
     thread would read it on a stream of its own, ordered after nothing. This copy runs on the
     caller's stream and is complete when it returns."""
-    if isinstance(value, DTensor):
-        if value.device.type != "cpu":
-            return value.detach().to("cpu")  # a DTensor whose local shard is on the CPU, as DCP stages it
-        local = value.to_local().detach().clone()
-        return DTensor.from_local(
-            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):  # a DTensor too: a copy of its local shard, under its mesh
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: _stage(v) for k, v in value.items()}

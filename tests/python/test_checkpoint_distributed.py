@@ -5,6 +5,7 @@ and a 2x2 HSDP mesh."""
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -222,3 +223,31 @@ def test_async_saves_in_flight_together(tmp_path):
     interleave their collectives (a hang, or garbage) on the group they share."""
     for values in run(saves_in_flight, nproc=2, args=(str(tmp_path),)).values():
         assert values == [0.0, 10.0, 20.0]
+
+
+def sharded_async_save(root: str) -> bool:
+    """An hp.fully_shard model's state (DTensor shards) saved in the background while a step changes
+    the parameters in place: the checkpoint holds them as they were at the call."""
+    from hyperparallel.checkpoint._storage import Writer
+
+    model, muon, adamw = build()
+    before = {key: value.to_local().clone() for key, value in model.state_dict().items()}
+    stepped, write_data = threading.Event(), Writer.write_data
+    Writer.write_data = lambda self, plan, planner: stepped.wait(60) and write_data(self, plan, planner)
+    pending = hp.checkpoint.async_save({"model": model.state_dict()}, f"{root}/ckpt")
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(tokens, labels=tokens).loss.backward()
+    muon.step()
+    adamw.step()
+    stepped.set()  # the files are written only now, after the step changed the parameters
+    pending.result(timeout=120)
+    Writer.write_data = write_data
+    changed = any(not torch.equal(value.to_local(), before[key]) for key, value in model.state_dict().items())
+    fresh, _, _ = build()
+    state = {"model": fresh.state_dict()}
+    hp.checkpoint.load(state, f"{root}/ckpt")
+    return changed and all(torch.equal(value.to_local(), before[key]) for key, value in state["model"].items())
+
+
+def test_async_save_of_shards_holds_them_as_at_the_call(tmp_path):
+    assert all(run(sharded_async_save, nproc=2, args=(str(tmp_path),)).values())
