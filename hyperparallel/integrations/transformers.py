@@ -354,9 +354,20 @@ def save_pretrained(model: nn.Module, out: str | os.PathLike, max_shard_size: in
 
 
 def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """The full tensor on the CPU where ``keep``; collective for a DTensor (every rank calls it)."""
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().cpu() if keep else None
+    """The full tensor on the CPU where ``keep``; collective for a DTensor (every rank calls it).
+
+    A GPU's shards are gathered from host memory where the mesh's groups move CUDA tensors with
+    Gloo (as ``hp.comm.init()`` starts the default group, and wherever ranks share a GPU): Gloo
+    stages them through the host anyway, and its CUDA all-gather segfaulted in torch 2.11
+    (docs/gpu.md). Over NCCL they are gathered on the GPU."""
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        if tensor.device.type != "cpu" and any(
+            "nccl" not in str(dist.get_backend(mesh.get_group(dim))) for dim in range(mesh.ndim)
+        ):
+            tensor = tensor.detach().to("cpu")  # the local shard on the host, under the same mesh
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu() if keep else None
 
 
 def _on_rank0(here: bool, action):

@@ -1,7 +1,7 @@
 """hp.fully_shard on CUDA at its edges, beside test_gpu_fsdp.py (a file of its own: gpu_check.sh
 runs each file in a process of its own, at once): HSDP's cross-node sum in the reduce dtype, and
-an iteration aborted by an exception, then reset, and groups run many times or never between two
-ends of backward. Several ranks share the one GPU."""
+an iteration aborted by an exception, then reset, groups run many times or never between two
+ends of backward, and an HF directory written from CUDA shards. Several ranks share the one GPU."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from test_fsdp import (
     hsdp_bf16_gradients,
     long_iterations,
 )
+from test_integrations_transformers import make_model, save_in_shards
+from transformers import AutoModelForCausalLM
 
 from hyperparallel.launch import run
 
@@ -45,3 +47,14 @@ def test_groups_run_many_times_or_never_between_backwards_on_cuda():
     # that would come only after them.
     for result in run(long_iterations, nproc=2, args=("cuda",)).values():
         assert_params_close(result["hp"], result["one process"], 1e-5)
+
+
+def test_save_pretrained_gathers_cuda_shards_over_gloo(tmp_path):
+    # hp.comm.init() starts a Gloo default group (and ranks sharing a GPU must use Gloo): the
+    # shards reach rank 0 through host memory, not Gloo's CUDA all-gather.
+    run(save_in_shards, nproc=2, args=(str(tmp_path / "hf"), "cuda"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    expected = make_model("moe").state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name

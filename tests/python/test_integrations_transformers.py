@@ -186,10 +186,14 @@ def test_a_model_loaded_sharded_trains_as_one_loaded_whole(tmp_path, loader):
     _assert_losses_equal(results[0][0], expected)
 
 
-def save_in_shards(out: str) -> None:
+def save_in_shards(out: str, device_type: str = "cpu") -> None:
+    import hyperparallel as hp
     from hyperparallel.integrations.transformers import save_pretrained, shard_model
 
     model = make_model("moe")
+    if device_type == "cuda":
+        torch.cuda.set_device(hp.comm.device())
+        model = model.to(hp.comm.device())
     shard_model(model, patch=True)
     save_pretrained(model, out, max_shard_size=16 << 10)
 
