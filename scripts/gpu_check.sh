@@ -14,7 +14,8 @@
 #   HP_PREBUILT=dir bash scripts/gpu_check.sh # use dir/_C*.so if it imports (built elsewhere with
 #                                             # -DHP_TORCH_PREFIX=<that machine's torch>), else build
 #   GPU_TESTS="tests/python/test_gpu_optim.py" bash scripts/gpu_check.sh   # some of the gpu tests
-#   TEST_LIMIT=200 bash scripts/gpu_check.sh  # the test step's limit in seconds (default 280)
+#   TEST_LIMIT=200 bash scripts/gpu_check.sh  # the test step's limit in seconds (default 360: with probe
+#                                             # and a 200 s build, one 10-minute device call)
 #   LOGS=/tmp/gc bash scripts/gpu_check.sh    # logs there, and packed into $OUT/gpu_check-logs.tgz after every
 #                                             # step: the device tool brings back 8 files of $OUT, a run writes a
 #                                             # dozen logs, and a call cut short keeps the finished steps' logs
@@ -113,7 +114,7 @@ tests() {
   return $status
 }
 
-TEST_LIMIT=${TEST_LIMIT:-280}
+TEST_LIMIT=${TEST_LIMIT:-360}
 export PYTHON OUT LOGS HP_PREBUILT GPU_TESTS TEST_LIMIT
 export -f probe build tests
 step probe 30 probe
