@@ -91,10 +91,12 @@ struct Layout {
 };
 
 // One gradient window: every rank's full gradients for one group at a time,
-// with the signals that keep a rank from overwriting its slot before every
-// peer has read it.
+// which of them it had (host memory every rank of the node maps), and the
+// signals that keep a rank from overwriting its slot before every peer has
+// read it.
 struct GradWindow {
   std::shared_ptr<fabric::PeerMemory> memory;
+  std::shared_ptr<fabric::Segment> flags;  // [local rank][parameter]: 1 where that rank had a gradient
   std::unique_ptr<fabric::DeviceSignal> ready, done;
 };
 
@@ -116,20 +118,28 @@ class CudaState : public BackendState {
   }
 
   // Collective (every rank at the same fully_shard call): windows of at
-  // least `bytes` per rank.
-  void reserve(std::size_t bytes) {
-    if (bytes <= bytes_) return;
+  // least `bytes` per rank, with flags for at least `params` parameters.
+  void reserve(std::size_t bytes, std::size_t params) {
+    if (bytes <= bytes_ && params <= params_) return;
     for (auto& window : windows_) {
-      // Peers may still read the old buffer: wait until they are done with
-      // its last round before it goes.
+      // Peers may still read the old buffer and flags: wait until they are
+      // done with their last round before they go.
       if (window.memory && window.done->posted() > 0) {
         window.done->wait_all(window.done->posted(), handle(reduce_scatter), "growing the gradient windows");
         fabric::device::synchronize(handle(reduce_scatter));
       }
-      window.memory.reset();
-      window.memory = std::make_shared<fabric::PeerMemory>(*fabric_, device_.index(), bytes);
+      if (bytes > bytes_) {
+        window.memory.reset();
+        window.memory = std::make_shared<fabric::PeerMemory>(*fabric_, device_.index(), bytes);
+      }
+      if (params > params_) window.flags = fabric_->allocate(std::size_t(fabric_->local_world()) * params);
     }
-    bytes_ = bytes;
+    bytes_ = std::max(bytes, bytes_);
+    params_ = std::max(params, params_);
+  }
+  // Local rank `rank`'s flags in `window`.
+  uint8_t* flags(const GradWindow& window, int rank) const {
+    return static_cast<uint8_t*>(window.flags->data()) + std::size_t(rank) * params_;
   }
   // The next window in ring order (the reducer thread alone takes them, in
   // the same order on every rank).
@@ -148,7 +158,7 @@ class CudaState : public BackendState {
 
  private:
   GradWindow windows_[2];
-  std::size_t bytes_ = 0, next_ = 0;
+  std::size_t bytes_ = 0, params_ = 0, next_ = 0;
 };
 
 // A tensor over peer memory; it keeps the memory alive.
@@ -171,7 +181,7 @@ class CudaParamGroup : public ParamGroup {
   void reshard() override;
   void reduce(std::vector<std::optional<at::Tensor>> grads) override;
   std::vector<std::optional<at::Tensor>> sharded_grads() override;
-  at::Tensor sharded_grad_buffer() const override { return sharded_grad_buffer_; }
+  at::Tensor sharded_grad_buffer() const override { return sharded_grad_buffer_.narrow(0, 0, layout_.shard_capacity); }
   void release() override;
   void discard_held() override;
 
@@ -181,10 +191,12 @@ class CudaParamGroup : public ParamGroup {
   void run_reduce(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor output, float scale,
                   bool all_reduce);
   // run_reduce's two ways: alone on the node (this rank's gradients are the
-  // sum), or through a window every rank of the node reads.
-  void reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output, float scale);
-  void reduce_window(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output, float scale,
-                     StreamHandle stream);
+  // sum), or through a window every rank of the node reads. Each returns, per
+  // parameter, whether any rank of the node had a gradient.
+  std::vector<uint8_t> reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
+                                    float scale);
+  std::vector<uint8_t> reduce_window(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
+                                     float scale, StreamHandle stream);
   StreamHandle compute() const { return handle(current_stream(device_)); }
   int rank() const { return communicator_->node().rank(); }
   int ranks() const { return communicator_->node().size(); }
@@ -209,8 +221,9 @@ class CudaParamGroup : public ParamGroup {
   uint64_t released_round_ = 0;  // pulled_'s round the last release waited for
   bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
   at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
-  std::vector<bool> has_grad_;
-  std::vector<bool> held_grad_;  // which parameters the held HSDP sum has gradients of
+  // Per parameter: some rank of the job had a gradient in the last reduction
+  // that was handed out (written by the reducer thread, read after its wait).
+  std::vector<uint8_t> any_grad_;
   ReduceTicket ticket_ = 0;
 };
 
@@ -273,7 +286,7 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
   shard_ready_ = std::make_unique<fabric::DeviceSignal>(fabric, index);
   pulled_ = std::make_unique<fabric::DeviceSignal>(fabric, index);
   // A rank alone on its node reduces its own gradients in place: no window.
-  if (ranks() > 1) state_.reserve(layout_.full_elems * c10::elementSize(grad_dtype_));
+  if (ranks() > 1) state_.reserve(layout_.full_elems * c10::elementSize(grad_dtype_), params.size());
 }
 
 CudaParamGroup::~CudaParamGroup() {
@@ -390,15 +403,16 @@ void CudaParamGroup::reduce(std::vector<std::optional<at::Tensor>> grads) {
   TORCH_CHECK(grads.size() == shard_views_.size(), "hyperparallel fsdp: got ", grads.size(), " gradients for ",
               shard_views_.size(), " parameters");
   c10::DeviceGuard guard(device_);
-  has_grad_.clear();
-  for (const auto& grad : grads) has_grad_.push_back(grad.has_value());
   at::Tensor output;
   if (sharded_grad_buffer_.defined() && sharded_grad_buffer_.storage().use_count() == 1) {
     output = sharded_grad_buffer_;  // nothing holds the last step's gradients
   } else {
     // Zeros: the kernels write the parameters' rows only, and the padding
-    // between them must read as nothing to an all-reduce hook's norm.
-    output = at::zeros({layout_.shard_capacity}, at::TensorOptions().dtype(dtype_).device(device_));
+    // between them must read as nothing to an all-reduce hook's norm. HSDP:
+    // the flags travel in the tail of the shard's all-reduced sum: this
+    // output's, unless the sum is in another dtype (run_reduce).
+    const int64_t tail = options_.replicate && grad_dtype_ == dtype_ ? int64_t(grads.size()) : 0;
+    output = at::zeros({layout_.shard_capacity + tail}, at::TensorOptions().dtype(dtype_).device(device_));
     sharded_grad_buffer_ = output;
   }
   // The gradients and the output are ready on the compute stream here. The
@@ -422,56 +436,63 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
   const StreamHandle stream = handle(state_.reduce_scatter);
   grads_at_.wait(stream);
   // HSDP sums across nodes in the reduce dtype, as FSDP2 does: the node's sum
-  // stays in it and is cast to the shards' dtype once, after the nodes'
-  // all-reduce (bf16 shards with an fp32 reduce round once).
+  // stays in it, flags in its tail, and is cast to the shards' dtype once,
+  // after the nodes' all-reduce (bf16 shards with an fp32 reduce round once).
+  const int64_t capacity = layout_.shard_capacity, n = int64_t(grads.size());
   at::Tensor sum = options_.replicate && grad_dtype_ != dtype_
-                       ? at::zeros({layout_.shard_capacity}, output.options().dtype(grad_dtype_))
+                       ? at::zeros({capacity + n}, output.options().dtype(grad_dtype_))
                        : output;
-  if (ranks() == 1) {
-    reduce_alone(grads, sum, scale);
-  } else {
-    reduce_window(grads, sum, scale, stream);
-  }
+  std::vector<uint8_t> any =
+      ranks() == 1 ? reduce_alone(grads, sum, scale) : reduce_window(grads, sum, scale, stream);
   if (options_.replicate) {
-    // has_grad_ is this rank's own (see gpu.md); a held reduction's count at the next one.
-    if (all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
-      if (!sum.is_same(output)) output.copy_(sum);
-      for (std::size_t i = 0; i < held_grad_.size(); ++i) has_grad_[i] = has_grad_[i] || held_grad_[i];
-      held_grad_.clear();
+    // The node's flags as 0s and 1s: summed over nodes with the gradients
+    // (and into a held sum with it), non-zero where any node had one.
+    at::Tensor tail = sum.narrow(0, capacity, n);
+    tail.copy_(at::from_blob(any.data(), {n}, at::TensorOptions().dtype(at::kByte)));
+    if (!all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
+      any.assign(any.size(), 0);  // held, flags included, until a backward that all-reduces
     } else {
-      held_grad_.resize(has_grad_.size(), false);
-      for (std::size_t i = 0; i < has_grad_.size(); ++i) held_grad_[i] = held_grad_[i] || has_grad_[i];
-      has_grad_.assign(has_grad_.size(), false);
+      const at::Tensor seen = tail.ne(0).to(at::kByte).cpu();  // waits for the all-reduce
+      std::copy_n(seen.const_data_ptr<uint8_t>(), any.size(), any.begin());
+      if (!sum.is_same(output)) output.narrow(0, 0, capacity).copy_(sum.narrow(0, 0, capacity));
     }
   }
+  any_grad_ = std::move(any);
   reduced_at_.record(stream);
 }
 
-void CudaParamGroup::reduce_alone(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
-                                  float scale) {
+std::vector<uint8_t> CudaParamGroup::reduce_alone(const std::vector<std::optional<at::Tensor>>& grads,
+                                                  at::Tensor& output, float scale) {
   // What the window's kernel computes for one input: each gradient rounded
   // to the reduce dtype, times the scale, rounded to the output's dtype.
+  std::vector<uint8_t> had(grads.size(), 0);
   for (std::size_t i = 0; i < grads.size(); ++i) {
     at::Tensor rows = output.narrow(0, layout_.shard_offset[0][i], layout_.numel[i]);
     if (!grads[i]) {
       rows.zero_();
       continue;
     }
+    had[i] = 1;
     const at::Tensor grad = grads[i]->to(grad_dtype_).reshape({-1});
     // Out of place: the product must not land in the caller's gradient.
     rows.copy_(scale == 1.0f ? grad : at::mul(grad.to(at::kFloat), scale));
   }
+  return had;
 }
 
-void CudaParamGroup::reduce_window(const std::vector<std::optional<at::Tensor>>& grads, at::Tensor& output,
-                                   float scale, StreamHandle stream) {
+std::vector<uint8_t> CudaParamGroup::reduce_window(const std::vector<std::optional<at::Tensor>>& grads,
+                                                   at::Tensor& output, float scale, StreamHandle stream) {
   GradWindow& window = state_.next();
+  // On the host too: once every peer posted its `done`, it has read the
+  // flags of the last round in this window.
   if (window.done->posted() > 0)
     window.done->wait_all(window.done->posted(), stream, "reduce-scatter (peers finishing the last reduction)");
   at::Tensor mine = over(window.memory, layout_.full_elems, grad_dtype_, device_);
   const std::size_t esize = c10::elementSize(grad_dtype_);
+  uint8_t* my_flags = state_.flags(window, rank());
   fabric::CopyBatch copies;
   for (std::size_t i = 0; i < grads.size(); ++i) {
+    my_flags[i] = grads[i].has_value();
     at::Tensor slot = mine.narrow(0, layout_.full_offset[i], layout_.numel[i]);
     if (!grads[i]) {
       slot.zero_();  // a parameter unused here may be used on a peer
@@ -482,8 +503,15 @@ void CudaParamGroup::reduce_window(const std::vector<std::optional<at::Tensor>>&
     }
   }
   copies.run(stream);
+  // The flags are written before the round is posted, so every peer's are
+  // there once the host wait below returns.
   const uint64_t round = window.ready->post(stream);
   window.ready->wait_all(round, stream, "reduce-scatter (waiting for peers' gradients)");
+  std::vector<uint8_t> any(grads.size(), 0);
+  for (int r = 0; r < ranks(); ++r) {
+    const uint8_t* theirs = state_.flags(window, r);
+    for (std::size_t i = 0; i < grads.size(); ++i) any[i] |= theirs[i];
+  }
   std::vector<comm::ReduceSegment> segments;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const int64_t src = layout_.full_offset[i] + int64_t(layout_.shard_rows[rank()][i].begin) * layout_.row_elems[i];
@@ -494,6 +522,7 @@ void CudaParamGroup::reduce_window(const std::vector<std::optional<at::Tensor>>&
   comm::device_reduce(output.data_ptr(), comm::dtype_of(output.scalar_type()), inputs, comm::dtype_of(grad_dtype_),
                       segments, scale, stream);
   window.done->post(stream);
+  return any;
 }
 
 std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {
@@ -504,7 +533,7 @@ std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {
   reduced_at_.wait(compute());
   std::vector<std::optional<at::Tensor>> grads;
   for (std::size_t i = 0; i < shard_views_.size(); ++i) {
-    if (!has_grad_.empty() && has_grad_[i]) {
+    if (!any_grad_.empty() && any_grad_[i]) {
       grads.push_back(sharded_grad_buffer_.narrow(0, layout_.shard_offset[rank()][i], shard_views_[i].numel())
                           .view(shard_views_[i].sizes()));
     } else {
@@ -536,8 +565,7 @@ void CudaParamGroup::release() {
 void CudaParamGroup::discard_held() {
   reducer_->wait(ticket_);
   drop_held();
-  held_grad_.clear();
-  has_grad_.clear();
+  any_grad_.clear();
 }
 
 std::shared_ptr<ParamGroup> make_cuda_group(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,

@@ -1,7 +1,8 @@
 """hp.fully_shard on CUDA at its edges, beside test_gpu_fsdp.py (a file of its own: gpu_check.sh
 runs each file in a process of its own, at once): HSDP's cross-node sum in the reduce dtype, and
 an iteration aborted by an exception, then reset, groups run many times or never between two
-ends of backward, and an HF directory written from CUDA shards. Several ranks share the one GPU."""
+ends of backward, a block some ranks' inputs skip, and an HF directory written from CUDA shards.
+Several ranks share the one GPU."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from test_fsdp import (
     aborted_iterations,
     assert_hsdp_rounds_once,
     assert_params_close,
+    assert_skipped_block_grads,
     hsdp_bf16_gradients,
     long_iterations,
+    skipped_block_grads,
 )
 from test_integrations_transformers import make_model, save_in_shards
 from transformers import AutoModelForCausalLM
@@ -58,3 +61,12 @@ def test_save_pretrained_gathers_cuda_shards_over_gloo(tmp_path):
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("nodes,per_node", [(1, 2), (2, 1), (2, 2)])
+def test_a_block_some_ranks_skip_gets_its_gradient_on_every_rank_on_cuda(nodes, per_node, monkeypatch):
+    # Within a node the gradient windows carry host flags of who had a gradient; across nodes the
+    # flags travel in the tail of the all-reduced sum, as on the CPU.
+    monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
+    results = run(skipped_block_grads, nproc=per_node, nnodes=nodes, args=("cuda", nodes > 1))
+    assert_skipped_block_grads(results, nodes, per_node)

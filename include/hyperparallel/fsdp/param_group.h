@@ -114,8 +114,8 @@ class ParamGroup {
   // gradient it handed out.
   virtual void reduce(std::vector<std::optional<at::Tensor>> grads) = 0;
   // Waits for the reduction; returns this rank's sharded gradients (in the
-  // parameters' dtype), nullopt for parameters that got no gradient here
-  // (CPU: on no rank of the job, so that every rank holds the same ones).
+  // parameters' dtype), nullopt for parameters that got no gradient on any
+  // rank of the job (so that every rank holds the same ones).
   virtual std::vector<std::optional<at::Tensor>> sharded_grads() = 0;
   // After sharded_grads(): the one flat buffer every sharded gradient it
   // returned is a view of (FSDP2's reduce output, for its all-reduce hook).
