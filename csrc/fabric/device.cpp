@@ -156,6 +156,11 @@ void DeviceEvent::wait(StreamHandle stream) const {
   check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event_), 0), "cudaStreamWaitEvent");
 }
 
+void DeviceEvent::synchronize() const {
+  if (!recorded_) return;
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize");
+}
+
 DeviceSignal::DeviceSignal(Fabric& fabric, int device)
     : fabric_(fabric), rank_(fabric.local_rank()), rounds_(fabric.channel()), acks_(fabric.channel()) {
   fabric.arm_watchdog();  // from now on this rank may block on the GPU for its peers

@@ -216,14 +216,17 @@ class CudaParamGroup : public ParamGroup {
   std::vector<at::Tensor> full_views_;
   std::unique_ptr<fabric::DeviceSignal> shard_ready_;  // this rank's rows are readable for this iteration
   std::unique_ptr<fabric::DeviceSignal> pulled_;       // this rank finished a pull of its peers' rows
-  fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, reduced_at_;
+  fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, reduced_at_, seen_at_;
   uint64_t publish_round_ = 0;
   uint64_t released_round_ = 0;  // pulled_'s round the last release waited for
   bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
   at::Tensor sharded_grad_buffer_;  // the last reduction's output, reused while nothing else holds it
   // Per parameter: some rank of the job had a gradient in the last reduction
-  // that was handed out (written by the reducer thread, read after its wait).
+  // that was handed out (written by the reducer thread, read after its wait;
+  // with HSDP, read back from seen_ once seen_at_ has passed).
   std::vector<uint8_t> any_grad_;
+  at::Tensor seen_;  // HSDP: pinned host copy of the all-reduced flags
+  bool seen_pending_ = false;
   ReduceTicket ticket_ = 0;
 };
 
@@ -246,7 +249,8 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
       allocated_at_(device_.index()),
       unsharded_at_(device_.index()),
       grads_at_(device_.index()),
-      reduced_at_(device_.index()) {
+      reduced_at_(device_.index()),
+      seen_at_(device_.index()) {
   c10::DeviceGuard guard(device_);
   for (const auto& param : params) {
     TORCH_CHECK(param.scalar_type() == dtype_, "hyperparallel fully_shard: one group's parameters must share a dtype, ",
@@ -446,14 +450,20 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
       ranks() == 1 ? reduce_alone(grads, sum, scale) : reduce_window(grads, sum, scale, stream);
   if (options_.replicate) {
     // The node's flags as 0s and 1s: summed over nodes with the gradients
-    // (and into a held sum with it), non-zero where any node had one.
+    // (and into a held sum with it), non-zero where any node had one. Both
+    // ways through pinned memory, so that this thread goes on to the next
+    // group while this one's all-reduce runs; sharded_grads() waits.
     at::Tensor tail = sum.narrow(0, capacity, n);
-    tail.copy_(at::from_blob(any.data(), {n}, at::TensorOptions().dtype(at::kByte)));
+    at::Tensor flags = at::empty({n}, tail.options().device(at::kCPU).pinned_memory(true));
+    flags.copy_(at::from_blob(any.data(), {n}, at::TensorOptions().dtype(at::kByte)));
+    tail.copy_(flags, /*non_blocking=*/true);
     if (!all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
       any.assign(any.size(), 0);  // held, flags included, until a backward that all-reduces
     } else {
-      const at::Tensor seen = tail.ne(0).to(at::kByte).cpu();  // waits for the all-reduce
-      std::copy_n(seen.const_data_ptr<uint8_t>(), any.size(), any.begin());
+      if (!seen_.defined()) seen_ = at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      seen_.copy_(tail.ne(0).to(at::kByte), /*non_blocking=*/true);
+      seen_at_.record(stream);
+      seen_pending_ = true;
       if (!sum.is_same(output)) output.narrow(0, 0, capacity).copy_(sum.narrow(0, 0, capacity));
     }
   }
@@ -531,6 +541,11 @@ std::vector<std::optional<at::Tensor>> CudaParamGroup::sharded_grads() {
   context_->count_wait(started);
   c10::DeviceGuard guard(device_);
   reduced_at_.wait(compute());
+  if (seen_pending_) {  // HSDP: which gradients any node had, once they are back from the device
+    seen_at_.synchronize();
+    any_grad_.assign(seen_.const_data_ptr<uint8_t>(), seen_.const_data_ptr<uint8_t>() + seen_.numel());
+    seen_pending_ = false;
+  }
   std::vector<std::optional<at::Tensor>> grads;
   for (std::size_t i = 0; i < shard_views_.size(); ++i) {
     if (!any_grad_.empty() && any_grad_[i]) {
@@ -566,6 +581,7 @@ void CudaParamGroup::discard_held() {
   reducer_->wait(ticket_);
   drop_held();
   any_grad_.clear();
+  seen_pending_ = false;
 }
 
 std::shared_ptr<ParamGroup> make_cuda_group(std::shared_ptr<Context> context, const std::vector<at::Tensor>& params,

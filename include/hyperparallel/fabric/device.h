@@ -101,6 +101,8 @@ class DeviceEvent {
   void record(StreamHandle stream);
   // `stream` waits for the last record (nothing, if never recorded).
   void wait(StreamHandle stream) const;
+  // The host waits for the last record (returns at once if never recorded).
+  void synchronize() const;
 
  private:
   void* event_ = nullptr;
