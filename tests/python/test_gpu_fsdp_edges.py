@@ -63,10 +63,12 @@ def test_save_pretrained_gathers_cuda_shards_over_gloo(tmp_path):
         assert torch.equal(loaded[name], tensor), name
 
 
-@pytest.mark.parametrize("nodes,per_node", [(1, 2), (2, 1), (2, 2)])
-def test_a_block_some_ranks_skip_gets_its_gradient_on_every_rank_on_cuda(nodes, per_node, monkeypatch):
+@pytest.mark.parametrize("nodes,per_node,dtype", [(1, 2, torch.float32), (2, 1, torch.float32),
+                                                 (2, 2, torch.float32), (2, 2, torch.bfloat16)])
+def test_a_block_some_ranks_skip_gets_its_gradient_on_every_rank_on_cuda(nodes, per_node, dtype, monkeypatch):
     # Within a node the gradient windows carry host flags of who had a gradient; across nodes the
-    # flags travel in the tail of the all-reduced sum, as on the CPU.
+    # flags travel in the tail of the all-reduced sum (bf16 parameters: of its float32 copy), as on
+    # the CPU.
     monkeypatch.setenv("HP_CROSS_NODE_BACKEND", "gloo")
-    results = run(skipped_block_grads, nproc=per_node, nnodes=nodes, args=("cuda", nodes > 1))
-    assert_skipped_block_grads(results, nodes, per_node)
+    results = run(skipped_block_grads, nproc=per_node, nnodes=nodes, args=("cuda", nodes > 1, dtype))
+    assert_skipped_block_grads(results, nodes, per_node, dtype)
