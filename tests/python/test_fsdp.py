@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -180,6 +180,18 @@ def rank_device(device_type: str) -> torch.device:
     device = hp.comm.device()
     torch.cuda.set_device(device)
     return device
+
+
+def rank_mesh(device_type: str, hsdp: bool) -> tuple[int, torch.device, DeviceMesh]:
+    """A rank function's start: one thread, the fabric, this rank's device, and the job's mesh
+    over it, (nodes, ranks per node) with ``hsdp``, else 1-D. Returns (rank, device, mesh)."""
+    torch.set_num_threads(1)
+    hp.comm.init()
+    device = rank_device(device_type)
+    topology = hp.comm.get().topology
+    mesh = init_device_mesh(device_type, (topology.num_nodes, topology.local_world_size) if hsdp
+                            else (dist.get_world_size(),))
+    return dist.get_rank(), device, mesh
 
 
 class Product(nn.Module):
@@ -468,13 +480,7 @@ def aborted_iterations(hsdp: bool, device_type: str = "cpu") -> dict:
     (2 nodes x 2 ranks) each step is two micro-batches whose first is reduced within the node
     and held (set_requires_all_reduce(False)): the fourth fails in its second. Returns this
     rank's shards, and those of a run that only takes the other steps."""
-    torch.set_num_threads(1)
-    hp.comm.init()
-    rank = dist.get_rank()
-    device = rank_device(device_type)
-    topology = hp.comm.get().topology
-    mesh = init_device_mesh(device_type, (topology.num_nodes, topology.local_world_size) if hsdp
-                            else (dist.get_world_size(),))
+    rank, device, mesh = rank_mesh(device_type, hsdp)
     out = {}
     where = {"step": None}  # which part of this micro-batch fails
     for name, steps in (("aborted", range(5)), ("clean", (0, 2, 4))):
@@ -532,11 +538,8 @@ def long_iterations(device_type: str = "cpu") -> dict:
     evaluation without no_grad), ten steps in which no input reaches block 1, then one that
     does. Returns this rank's full parameters after, hp's and a one-process reference's that
     sums every rank's losses (the ranks' mean gradient, as data parallelism computes it)."""
-    torch.set_num_threads(1)
-    hp.comm.init()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = rank_device(device_type)
-    mesh = init_device_mesh(device_type, (world,))
+    rank, device, mesh = rank_mesh(device_type, hsdp=False)
+    world = dist.get_world_size()
     steps = [((0, 1), 12)] + [((0,), 1)] * 10 + [((0, 1), 1)]  # (route, forwards) per step
     out = {}
     for how in ("hp", "one process"):
@@ -573,13 +576,7 @@ def skipped_block_grads(device_type: str, hsdp: bool, dtype: torch.dtype = torch
     """One group over the whole Net, whose block 1 only rank 0's inputs reach: this rank's shard of
     every gradient, on the CPU in float32 (None where it got none). bf16 parameters reduce in
     float32, so that the sum across nodes, and its flags, are in a tensor of their own."""
-    torch.set_num_threads(1)
-    hp.comm.init()
-    rank = dist.get_rank()
-    device = rank_device(device_type)
-    topology = hp.comm.get().topology
-    mesh = init_device_mesh(device_type, (topology.num_nodes, topology.local_world_size) if hsdp
-                            else (dist.get_world_size(),))
+    rank, device, mesh = rank_mesh(device_type, hsdp)
     net = hp.fully_shard(Net().to(device, dtype), mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     x, y = (t.to(device, dtype) for t in net_data(rank, 0))
     ((net(x, route=(0, 1) if rank == 0 else (0,)).float() - y.float()) ** 2).mean().backward()
