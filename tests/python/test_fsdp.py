@@ -560,7 +560,9 @@ def long_iterations(device_type: str = "cpu") -> dict:
             (sum(losses) / (1 if how == "hp" else world)).backward()
             opt.step()
             opt.zero_grad()
-        out[how] = {name: (p.full_tensor() if how == "hp" else p).detach().cpu() for name, p in net.named_parameters()}
+        # Shards gathered from host memory: Gloo's all-gather of CUDA tensors segfaulted in torch 2.11.
+        out[how] = {name: (p.detach().cpu().full_tensor() if how == "hp" else p.detach().cpu())
+                    for name, p in net.named_parameters()}
     return out
 
 
