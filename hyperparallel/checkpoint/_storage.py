@@ -177,29 +177,21 @@ class Writer(FileSystemWriter):
         return future
 
 
-def _contiguous_range(shape, offsets, lengths) -> tuple[int, int] | None:
-    """(first element, element count) of a sub-block of a contiguous tensor, if
-    the block is one contiguous run of memory."""
-    ndim = len(shape)
-    d = 0
-    while d < ndim and lengths[d] == 1:
-        d += 1
-    if any(lengths[k] != shape[k] for k in range(d + 1, ndim)):
-        return None
-    start, stride = 0, 1
-    for k in reversed(range(ndim)):
-        start += offsets[k] * stride
-        stride *= shape[k]
-    count = 1
-    for n in lengths:
-        count *= n
-    return start, count
+def _span(stride, storage_offset: int, offsets, lengths) -> tuple[int, int]:
+    """(first element, element count) of the shortest run of a saved tensor's storage
+    that holds its block at ``offsets`` of ``lengths``: a load reads that run, never the
+    whole item (a shard of a resharded load, a GPU's block staged on the host)."""
+    if 0 in lengths:
+        return storage_offset, 0
+    first = storage_offset + sum(o * s for o, s in zip(offsets, stride))
+    return first, sum((n - 1) * s for n, s in zip(lengths, stride)) + 1
 
 
 class Reader(FileSystemReader):
     """FileSystemReader whose reads are C++ preads straight into the destination
-    tensors (one batch per load), falling back to a staged copy when the
-    requested block is not contiguous on one side."""
+    tensors (one batch per load) where the requested block is one run of memory on
+    both sides; otherwise the run holding the block is read into host memory (pinned
+    for a GPU's tensor) and copied from there."""
 
     def read_data(self, plan, planner):
         direct, staged = [], []
@@ -228,22 +220,27 @@ class Reader(FileSystemReader):
                         f"{req.storage_index.fqn}: the checkpoint holds a block of shape {tuple(req.lengths)} "
                         f"for a destination of shape {tuple(target.shape)}"
                     )
-                contiguous = stride == torch.empty(size, device="meta").stride()
-                run = _contiguous_range(size, req.storage_offsets, req.lengths) if contiguous else None
-                if run is not None and target.dtype == dtype and target.is_contiguous() and target.is_cpu:
-                    direct.append((req, target, (path, data_offset + (storage_offset + run[0]) * dtype.itemsize, target)))
+                first, count = _span(stride, storage_offset, req.storage_offsets, req.lengths)
+                if (first + count) * dtype.itemsize > data_size:
+                    raise CheckpointError(
+                        f"{path}: {req.storage_index.fqn}'s block ends at byte {(first + count) * dtype.itemsize} "
+                        f"of a record of {data_size} bytes: the file is corrupt; save it again"
+                    )
+                read = (path, data_offset + first * dtype.itemsize)
+                if count == 0:
+                    planner.commit_tensor(req, target)
+                elif (count == target.numel() and stride == torch.empty(size, device="meta").stride()
+                        and target.dtype == dtype and target.is_contiguous() and target.is_cpu):
+                    direct.append((req, target, (*read, target)))
                 else:
-                    staged.append((req, target, path, data_offset, data_size, dtype, storage_offset, size, stride))
+                    staged.append((req, target, read, dtype, count, stride))
             _C.ckpt_read_into([r for _, _, r in direct], io_threads())
             for req, target, _ in direct:
                 planner.commit_tensor(req, target)
-            for req, target, path, data_offset, data_size, dtype, storage_offset, size, stride in staged:
-                storage = torch.empty(data_size, dtype=torch.uint8)
-                _C.ckpt_read_into([(path, data_offset, storage)], io_threads())
-                saved = storage.view(dtype).as_strided(size, stride, storage_offset)
-                for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    saved = saved.narrow(dim, offset, length)
-                target.copy_(saved)
+            for req, target, read, dtype, count, stride in staged:
+                run = torch.empty(count * dtype.itemsize, dtype=torch.uint8, pin_memory=target.is_cuda)
+                _C.ckpt_read_into([(*read, run)], io_threads())
+                target.copy_(run.view(dtype).as_strided(req.lengths, stride))
                 planner.commit_tensor(req, target)
         except RuntimeError as error:
             raise CheckpointError(str(error)) from None
