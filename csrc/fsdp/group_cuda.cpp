@@ -459,6 +459,7 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
     tail.copy_(flags, /*non_blocking=*/true);
     if (!all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
       any.assign(any.size(), 0);  // held, flags included, until a backward that all-reduces
+      seen_pending_ = false;      // an earlier reduction's flags are not this held sum's
     } else {
       if (!seen_.defined()) seen_ = at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
       seen_.copy_(tail.ne(0).to(at::kByte), /*non_blocking=*/true);

@@ -125,7 +125,7 @@ class Muon : public MuonPlan {
     bool shared = false;  // in the node-shared buffer (sharded parameters)
     int64_t count = 0;
     int64_t offset = 0;  // bytes into the node-shared buffer
-    at::Tensor slots;    // [count, rows, cols] bfloat16
+    at::Tensor slots{};  // [count, rows, cols] bfloat16
     int64_t mine_begin = 0, mine_end = 0;  // this rank's slots, contiguous
   };
   struct Matrix {
