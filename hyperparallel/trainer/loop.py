@@ -83,7 +83,8 @@ class Trainer:
         """The step to start from: the latest checkpoint's, loaded into model, optimizers and loader; else 0."""
         if not self.cfg.checkpoint.resume or self.manager.latest() is None:
             return 0
-        loaded = state_lib.full_state(self.model, self.optimizers, state_lib.trainer_state(0, self.loader, self.cfg_dict))
+        trainer = state_lib.trainer_state(0, self.loader, self.cfg_dict, self.device)
+        loaded = state_lib.full_state(self.model, self.optimizers, trainer)
         try:
             found = self.manager.load_latest(loaded)
         except hp.checkpoint.CheckpointMismatchError as error:
@@ -93,7 +94,7 @@ class Trainer:
             ) from None
         if found is None:
             raise RuntimeError(f"{self.manager.root}: the latest checkpoint vanished while loading")
-        step = state_lib.apply_state(self.model, self.optimizers, loaded, self.loader)
+        step = state_lib.apply_state(self.model, self.optimizers, loaded, self.loader, self.device)
         if self.rank == 0:
             print(f"hyperparallel train: resumed from {self.manager.latest()} at step {step}", flush=True)
         return step
@@ -219,7 +220,7 @@ class Trainer:
         if not ((ckpt.every and step % ckpt.every == 0) or last):
             return None
         snapshot = state_lib.full_state(self.model, self.optimizers,
-                                        state_lib.trainer_state(step, self.loader, self.cfg_dict))
+                                        state_lib.trainer_state(step, self.loader, self.cfg_dict, self.device))
         return self.manager.save(step, snapshot, async_=ckpt.async_save)
 
 

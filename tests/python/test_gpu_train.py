@@ -1,6 +1,7 @@
 """hyperparallel train on a GPU (train.device=cuda), through the real command: the embedded
 default learns, its dry-run GPU estimate is near the measured peak, a run checkpointed on the
-CPU resumes on the GPU, and 2 ranks sharing the GPU start where 1 rank does."""
+CPU resumes on the GPU, 2 ranks sharing the GPU start where 1 rank does, and each rank's CUDA
+generator resumes as saved."""
 
 import json
 import shutil
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import DEFAULT, _train
+from test_train import DEFAULT, _train, generators_resume
 
+from hyperparallel.launch import run
 from hyperparallel.trainer.config import load_config
 from hyperparallel.trainer.estimate import estimate
 from hyperparallel.trainer.report import read_metrics
@@ -79,3 +81,7 @@ def test_two_ranks_sharing_the_gpu_start_where_one_does(gpu_run):
     one = [r["loss"] for r in read_metrics(tmp / "gpu" / "metrics.jsonl")][:3]
     # The same global batches split over two ranks: the same losses but for summation order.
     assert max(abs(a - b) for a, b in zip(two, one)) < 1e-2, (two, one)
+
+
+def test_each_ranks_cuda_generator_resumes_as_saved():
+    assert all(run(generators_resume, nproc=2, args=("cuda",)).values())

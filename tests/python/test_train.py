@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hyperparallel.cli import main
+from hyperparallel.launch import run
 from hyperparallel.trainer.config import load_config
 from hyperparallel.trainer.estimate import estimate
 from hyperparallel.trainer.report import read_metrics
@@ -240,3 +241,38 @@ def test_checkpoint_converts_to_a_hf_model_that_continues(full_run, tmp_path):
     with torch.no_grad():
         losses = [m(input_ids=ids, labels=ids).loss.item() for m in (fresh, trained)]
     assert losses[1] < losses[0] - 1.0, losses
+
+
+def generators_resume(device_type: str) -> bool:
+    """A rank's generators saved as a checkpoint holds them, drawn from, then restored: the draws
+    repeat. Each rank restores its own entry (ranks are seeded apart); an entry of a checkpoint
+    written before the GPU's generator was kept (the CPU state's bytes) restores the CPU's."""
+    import torch
+    import torch.distributed as dist
+
+    import hyperparallel as hp
+    from hyperparallel.trainer.model import rank_device
+    from hyperparallel.trainer.state import restore_rng, rng_states
+
+    hp.comm.init()
+    device = rank_device(device_type)
+    torch.manual_seed(dist.get_rank())
+    if device.type == "cuda":
+        torch.cuda.manual_seed(100 + dist.get_rank())
+
+    def draw() -> list:
+        return [torch.rand(4), torch.rand(4, device=device).cpu()]
+
+    states = rng_states(device)
+    mine = states[dist.get_rank()]
+    expected, _ = draw(), draw()
+    restore_rng(mine, device)
+    again = draw()
+    restore_rng(mine["cpu"], device)
+    old = draw()
+    return (all(torch.equal(a, b) for a, b in zip(again, expected)) and torch.equal(old[0], expected[0])
+            and states[0] != states[1] and ("cuda" in mine) == (device.type == "cuda"))
+
+
+def test_each_ranks_generators_resume_as_saved():
+    assert all(run(generators_resume, nproc=2, args=("cpu",)).values())
