@@ -17,6 +17,7 @@
 // - Reduce-scatter: each rank puts its full gradients in its slot of a
 //   gradient window every rank maps, and one kernel sums this rank's rows
 //   over every slot into its sharded gradients, on a reduce-scatter stream.
+//   With HSDP the nodes' all-reduce of those follows on a stream of its own.
 //
 // Streams of different ranks are ordered by fabric::DeviceSignal (IPC events
 // whose rounds the host channels announce); nothing spins on the GPU.
@@ -100,8 +101,8 @@ struct GradWindow {
   std::unique_ptr<fabric::DeviceSignal> ready, done;
 };
 
-// What all CUDA groups of a process share: the all-gather and reduce-scatter
-// streams, and a ring of two gradient windows (a group holds one from its
+// What all CUDA groups of a process share: the all-gather, reduce-scatter
+// and (HSDP) nodes' all-reduce streams, and a ring of two gradient windows (a group holds one from its
 // backward to the end of its reduction; two let one reduction overlap the
 // next group's backward).
 class CudaState : public BackendState {
@@ -110,7 +111,8 @@ class CudaState : public BackendState {
       : fabric_(std::move(fabric)),
         device_(device),
         all_gather(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, true)),
-        reduce_scatter(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, true)) {
+        reduce_scatter(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, true)),
+        all_reduce(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(device, true)) {
     for (auto& window : windows_) {
       window.ready = std::make_unique<fabric::DeviceSignal>(*fabric_, device.index());
       window.done = std::make_unique<fabric::DeviceSignal>(*fabric_, device.index());
@@ -154,7 +156,7 @@ class CudaState : public BackendState {
   c10::Device device_;
 
  public:
-  const c10::Stream all_gather, reduce_scatter;
+  const c10::Stream all_gather, reduce_scatter, all_reduce;
 
  private:
   GradWindow windows_[2];
@@ -216,7 +218,7 @@ class CudaParamGroup : public ParamGroup {
   std::vector<at::Tensor> full_views_;
   std::unique_ptr<fabric::DeviceSignal> shard_ready_;  // this rank's rows are readable for this iteration
   std::unique_ptr<fabric::DeviceSignal> pulled_;       // this rank finished a pull of its peers' rows
-  fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, reduced_at_, seen_at_;
+  fabric::DeviceEvent published_at_, allocated_at_, unsharded_at_, grads_at_, summed_at_, reduced_at_, seen_at_;
   uint64_t publish_round_ = 0;
   uint64_t released_round_ = 0;  // pulled_'s round the last release waited for
   bool published_ = false, allocated_ = false, pull_pending_ = false, unsharded_ = false;
@@ -249,6 +251,7 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
       allocated_at_(device_.index()),
       unsharded_at_(device_.index()),
       grads_at_(device_.index()),
+      summed_at_(device_.index()),
       reduced_at_(device_.index()),
       seen_at_(device_.index()) {
   c10::DeviceGuard guard(device_);
@@ -439,6 +442,9 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
   c10::StreamGuard on(state_.reduce_scatter);  // the ATen casts below run there too
   const StreamHandle stream = handle(state_.reduce_scatter);
   grads_at_.wait(stream);
+  // This group's last all-reduce across nodes (on a stream of its own) is
+  // done with the output before this reduction writes it again.
+  reduced_at_.wait(stream);
   // HSDP sums across nodes in the reduce dtype, as FSDP2 does: the node's sum
   // stays in it, flags in its tail, and is cast to the shards' dtype once,
   // after the nodes' all-reduce (bf16 shards with an fp32 reduce round once).
@@ -448,6 +454,7 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
                        : output;
   std::vector<uint8_t> any =
       ranks() == 1 ? reduce_alone(grads, sum, scale) : reduce_window(grads, sum, scale, stream);
+  StreamHandle finished = stream;
   if (options_.replicate) {
     // The node's flags as 0s and 1s: summed over nodes with the gradients
     // (and into a held sum with it), non-zero where any node had one. Both
@@ -457,19 +464,26 @@ void CudaParamGroup::run_reduce(const std::vector<std::optional<at::Tensor>>& gr
     at::Tensor flags = at::empty({n}, tail.options().device(at::kCPU).pinned_memory(true));
     flags.copy_(at::from_blob(any.data(), {n}, at::TensorOptions().dtype(at::kByte)));
     tail.copy_(flags, /*non_blocking=*/true);
+    // The nodes' all-reduce on a stream of its own, as FSDP2's: the next
+    // group's reduction within the node runs beside it instead of after it.
+    summed_at_.record(stream);
+    finished = handle(state_.all_reduce);
+    summed_at_.wait(finished);
+    if (!sum.is_same(output)) sum.record_stream(state_.all_reduce);  // freed here, read there
+    c10::StreamGuard on_nodes(state_.all_reduce);
     if (!all_reduce_across_nodes(sum, *options_.replicate, all_reduce)) {
       any.assign(any.size(), 0);  // held, flags included, until a backward that all-reduces
       seen_pending_ = false;      // an earlier reduction's flags are not this held sum's
     } else {
       if (!seen_.defined()) seen_ = at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
       seen_.copy_(tail.ne(0).to(at::kByte), /*non_blocking=*/true);
-      seen_at_.record(stream);
+      seen_at_.record(finished);
       seen_pending_ = true;
       if (!sum.is_same(output)) output.narrow(0, 0, capacity).copy_(sum.narrow(0, 0, capacity));
     }
   }
   any_grad_ = std::move(any);
-  reduced_at_.record(stream);
+  reduced_at_.record(finished);
 }
 
 std::vector<uint8_t> CudaParamGroup::reduce_alone(const std::vector<std::optional<at::Tensor>>& grads,
