@@ -299,12 +299,15 @@ CudaParamGroup::CudaParamGroup(std::shared_ptr<Context> context, const std::vect
 CudaParamGroup::~CudaParamGroup() {
   try {
     reducer_->wait(ticket_);
+    c10::DeviceGuard guard(device_);
+    // The gradient buffer goes back to the compute stream's pool: after the
+    // last reduction's writes (an iteration aborted after its reduce()).
+    reduced_at_.wait(compute());
     // Peers may still be pulling this rank's rows: their memory goes only
     // after the last pull. If the last release already waited for it, the
     // peers' events are not touched again (a peer may have destroyed them:
     // groups die when each process's garbage collector gets to them).
     if (pulled_ && pulled_->posted() > 0) {
-      c10::DeviceGuard guard(device_);
       if (pulled_->posted() > released_round_)
         pulled_->wait_all(pulled_->posted(), compute(), "freeing a group (peers finishing their pulls)");
       fabric::device::synchronize(compute());
@@ -594,6 +597,8 @@ void CudaParamGroup::release() {
 
 void CudaParamGroup::discard_held() {
   reducer_->wait(ticket_);
+  c10::DeviceGuard guard(device_);
+  reduced_at_.wait(compute());  // the compute stream reuses the gradient buffer's memory only after its writes
   drop_held();
   any_grad_.clear();
   seen_pending_ = false;
