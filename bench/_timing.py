@@ -307,9 +307,36 @@ def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def cuda_event_ms(fn: Callable[[], object], repeats: int = 1, warmup: int = 0, barrier: bool = False) -> float:
+def gpu_lead(ms: float) -> None:
+    """Keep the current CUDA stream busy for about ``ms`` (``torch.cuda._sleep``): what the host
+    enqueues meanwhile starts once the host is done enqueueing it, so that a timing that follows
+    is the GPU's work alone, not the host's launches, and work on several streams starts
+    together."""
+    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms()))
+
+
+_cycles_per_ms: float | None = None
+
+
+def _sleep_cycles_per_ms() -> float:
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = cycles / start.elapsed_time(end)
+    return _cycles_per_ms
+
+
+def cuda_event_ms(fn: Callable[[], object], repeats: int = 1, warmup: int = 0, barrier: bool = False,
+                  lead_ms: float = 0.0) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream, by CUDA events (the GPU
-    benchmarks' one clock). ``barrier``: ranks start each repetition together."""
+    benchmarks' one clock). ``barrier``: ranks start each repetition together. ``lead_ms``: the
+    clock starts after a :func:`gpu_lead` of that long, so that the host's time to launch
+    ``fn``'s work falls outside it (a kernel of tens of microseconds next to its launch)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -319,6 +346,8 @@ def cuda_event_ms(fn: Callable[[], object], repeats: int = 1, warmup: int = 0, b
             dist.barrier()
             torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_ms:
+            gpu_lead(lead_ms)
         start.record()
         fn()
         end.record()

@@ -16,7 +16,8 @@ Run where the ranks have GPUs (scripts/gpu_check.sh does). Two passes:
   GPU: not NVLink".
 
 Times are CUDA-event medians on rank 0 of calls between barriers, the systems alternated per
-repetition. Sizes are the full tensor (fp32):
+repetition, each clock started after a short GPU lead (``torch.cuda._sleep``), so that they time
+the GPU's work and not the host's launches. Sizes are the full tensor (fp32):
 
 - copy: one device-to-device copy of the full size (the ceiling: bytes read + written over time);
 - hp AG: ``all_gather_into_tensor`` (peers' rows pulled straight into place on the copy engines);
@@ -36,7 +37,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from _timing import cuda_event_ms
+from _timing import cuda_event_ms, gpu_lead
 
 import hyperparallel as hp
 from hyperparallel.launch import run
@@ -91,7 +92,8 @@ def _measure_size(mib: int, repeats: int, skipped: list[str]) -> dict:
         for name, fn in usable.items():  # alternated, so that drift hits every system alike
             if name.startswith("gloo") and index >= gloo_repeats:
                 continue
-            times[name].append(cuda_event_ms(fn, barrier=True))
+            # The GPU's time: the launches' host time (the same for every size) left outside.
+            times[name].append(cuda_event_ms(fn, barrier=True, lead_ms=1.0))
     return {"mib": mib, **{name: statistics.median(values) for name, values in times.items()}}
 
 
@@ -136,7 +138,12 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
         if rank == 0:
             alone.append(timed_gemms())
         dist.barrier()
-        # All-gathers on a side stream, beside the GEMMs on the default stream.
+        # All-gathers on a side stream, beside the GEMMs on the default stream, both held until
+        # the host has enqueued them all: they start together.
+        gpu_lead(30.0)
+        gate = torch.cuda.Event()
+        gate.record()
+        side.wait_event(gate)
         with torch.cuda.stream(side):
             for _ in range(spans[0]):
                 hp.comm.all_gather_into_tensor(gathered, piece)

@@ -134,8 +134,11 @@ def modules_part(repeats: int) -> list[str]:
 
     grad = torch.randn_like(x)  # every module here returns (1, seq, hidden)
 
-    def fwd_bwd(fn):
+    def fwd_bwd(mod, fn):
+        # Gradients set afresh each call, as a training step's zero_grad(set_to_none=True) leaves
+        # them: summing into the last call's would add a pass over every weight gradient to both.
         def call():
+            mod.zero_grad(set_to_none=True)
             inp = x.detach().requires_grad_(True)
             out = fn(inp)
             out = out[0] if isinstance(out, tuple) else out
@@ -143,10 +146,10 @@ def modules_part(repeats: int) -> list[str]:
         return call
 
     cases = {
-        "RMSNorm (target >= 2x)": (lambda m: m.post_attention_layernorm, lambda mod: fwd_bwd(mod)),
+        "RMSNorm (target >= 2x)": (lambda m: m.post_attention_layernorm, lambda mod: fwd_bwd(mod, mod)),
         "attention (target >= 1.0x)": (lambda m: m.self_attn, lambda mod: fwd_bwd(
-            lambda inp: mod(inp, cos_sin, None))),
-        "MoE block (target >= 1.5x)": (lambda m: m.mlp, lambda mod: fwd_bwd(mod)),
+            mod, lambda inp: mod(inp, cos_sin, None))),
+        "MoE block (target >= 1.5x)": (lambda m: m.mlp, lambda mod: fwd_bwd(mod, mod)),
     }
     iterations = 20  # per timing: one call is too short to time apart from launch gaps
 
@@ -308,7 +311,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["muon", "modules", "step", "ranks2"],
                         choices=["muon", "modules", "step", "ranks2"])
     parser.add_argument("--muon-layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
