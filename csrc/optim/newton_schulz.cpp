@@ -1,6 +1,9 @@
 #include "hyperparallel/optim/newton_schulz.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -206,6 +209,12 @@ void symmetric_product(at::Tensor& out, const at::Tensor& left, const at::Tensor
 // batched cuBLAS call (bmm, baddbmm with torch's alpha and beta) or, for the
 // symmetric ones, three (above), and every matrix's Frobenius norm in one
 // reduction.
+//
+// baddbmm copies its addend into its result before the product adds into it
+// (beta = a != 0): for B X + a X that is a pass over X on the compute stream
+// every round. Here a second stream makes that copy while the round's Gram
+// products run, and the product then adds into it in place: the very same
+// cuBLAS call on the very same operands, so the same bits.
 void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
   const bool tall = batch.size(1) > batch.size(2);
   at::Tensor wide = tall ? batch.transpose(1, 2) : batch;
@@ -213,12 +222,29 @@ void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
   at::Tensor x = at::div(wide, norms).contiguous();
   const int64_t count = x.size(0), m = x.size(1);
   const bool halves = symmetric_halves(m);
-  at::Tensor gram, update;
+  at::Tensor gram, update, next = at::empty_like(x);
   if (halves) {
     gram = at::empty({count, m, m}, x.options());
     update = at::empty_like(gram);
   }
+  const c10::Device device = batch.device();
+  const c10::impl::VirtualGuardImpl streams(device.type());
+  const c10::Stream compute = streams.getStream(device), side = streams.getStreamFromGlobalPool(device);
+  c10::Event x_ready(device.type()), copied(device.type());
   for (int64_t step = 0; step < options.steps; ++step) {
+    // A wide batch's last round lands in the batch itself: no allocation and
+    // no copy back.
+    const bool into_batch = !tall && step == options.steps - 1;
+    at::Tensor result = into_batch ? batch : next;
+    // The side stream writes the result only after the compute stream's
+    // last read of it (the round before, when it was X).
+    x_ready.record(compute);
+    x_ready.block(side);
+    {
+      const c10::StreamGuard on_side(side);
+      result.copy_(x);
+    }
+    copied.record(side);
     if (halves) {
       symmetric_product(gram, x, x.transpose(1, 2), nullptr, 0.0, 1.0);
       symmetric_product(update, gram, gram, &gram, options.b, options.c);
@@ -226,28 +252,26 @@ void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
       gram = at::bmm(x, x.transpose(1, 2));
       update = at::baddbmm(gram, gram, gram, options.b, options.c);
     }
-    // A wide batch's last round lands in the batch itself: no allocation and
-    // no copy back (baddbmm_out copies x into it first, as beta = a != 0).
-    if (!tall && step == options.steps - 1) {
-      at::Tensor out = batch;
-      at::baddbmm_out(out, x, update, x, options.a, 1.0);
-      return;
-    }
-    x = at::baddbmm(x, update, x, options.a, 1.0);
+    copied.block(compute);
+    at::baddbmm_out(result, result, update, x, options.a, 1.0);
+    if (into_batch) return;
+    std::swap(x, next);
   }
   batch.copy_(tall ? x.transpose(1, 2) : x);
 }
 
 // The rounds' temporaries (x, the next x, the Gram matrix and its update)
 // for a pool of experts at once would be several GiB beside the model: groups
-// of about this many bytes keep each product a large batched call.
+// of at most about this many bytes keep each product a large batched call,
+// and groups of equal size keep the last one from a fraction of the GPU.
 constexpr int64_t kDeviceGroupBytes = int64_t(512) << 20;
 
 void newton_schulz_device_(const at::Tensor& batch, const NsOptions& options) {
   const int64_t count = batch.size(0);
   const int64_t m = std::min(batch.size(1), batch.size(2)), n = std::max(batch.size(1), batch.size(2));
   const int64_t per_matrix = int64_t(sizeof(uint16_t)) * (2 * m * n + 2 * m * m);
-  const int64_t group = std::clamp<int64_t>(kDeviceGroupBytes / std::max<int64_t>(per_matrix, 1), 1, count);
+  const int64_t most = std::clamp<int64_t>(kDeviceGroupBytes / std::max<int64_t>(per_matrix, 1), 1, count);
+  const int64_t groups = (count + most - 1) / most, group = (count + groups - 1) / groups;
   for (int64_t first = 0; first < count; first += group)
     device_rounds_(batch.narrow(0, first, std::min(group, count - first)), options);
 }
