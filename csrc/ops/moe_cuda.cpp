@@ -216,7 +216,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_forward_cuda(
               down.size(2), ". Run HF's experts for this model instead: model.set_experts_implementation(\"eager\")");
   c10::DeviceGuard guard(input.device());
   const int64_t T = input.size(0), K = index.size(1), E = gate_up.size(0);
-  const at::Tensor flat = index.reshape(-1);
+  // int32 keys: the radix sort passes over 32 bits, not 64 (experts < 2^31).
+  const at::Tensor flat = index.reshape(-1).to(at::kInt);
   auto [sorted, order] = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   at::Tensor positions = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
   // Expert boundaries without a host sync: the first sorted row of each
