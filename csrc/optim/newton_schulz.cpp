@@ -10,7 +10,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 #if defined(__SSE2__)
@@ -205,6 +207,19 @@ void symmetric_product(at::Tensor& out, const at::Tensor& left, const at::Tensor
   block(out, 1, 0, h).copy_(block(out, 0, 1, h).transpose(1, 2));
 }
 
+// The second stream of device_rounds_, one per device for the process: drawn
+// from the pool once, so that it is not, by the pool's turn, a stream that
+// other work (Muon's results, a collective) queues on.
+c10::Stream side_stream(c10::Device device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::Device, c10::Stream> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto found = streams.find(device);
+  if (found == streams.end())
+    found = streams.emplace(device, c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, true)).first;
+  return found->second;
+}
+
 // On a GPU: torch's rounds for a group of matrices at once, each product one
 // batched cuBLAS call (bmm, baddbmm with torch's alpha and beta) or, for the
 // symmetric ones, three (above), and every matrix's Frobenius norm in one
@@ -228,9 +243,20 @@ void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
     update = at::empty_like(gram);
   }
   const c10::Device device = batch.device();
-  const c10::impl::VirtualGuardImpl streams(device.type());
-  const c10::Stream compute = streams.getStream(device), side = streams.getStreamFromGlobalPool(device);
+  const c10::Stream compute = c10::impl::VirtualGuardImpl(device.type()).getStream(device), side = side_stream(device);
   c10::Event x_ready(device.type()), copied(device.type());
+  // However a round ends (an out-of-memory product), the compute stream, on
+  // whose pool x and next go back, waits for the side stream's last copy.
+  struct Joined {
+    const c10::Event& copied;
+    const c10::Stream& compute;
+    ~Joined() {
+      try {
+        copied.block(compute);
+      } catch (...) {  // a destructor must not throw; a device that cannot wait has failed louder elsewhere
+      }
+    }
+  } joined{copied, compute};
   for (int64_t step = 0; step < options.steps; ++step) {
     // A wide batch's last round lands in the batch itself: no allocation and
     // no copy back.
@@ -263,7 +289,7 @@ void device_rounds_(const at::Tensor& batch, const NsOptions& options) {
 // The rounds' temporaries (x, the next x, the Gram matrix and its update)
 // for a pool of experts at once would be several GiB beside the model: groups
 // of at most about this many bytes keep each product a large batched call,
-// and groups of equal size keep the last one from a fraction of the GPU.
+// and groups of nearly equal size keep the last from a fraction of the GPU.
 constexpr int64_t kDeviceGroupBytes = int64_t(512) << 20;
 
 void newton_schulz_device_(const at::Tensor& batch, const NsOptions& options) {
