@@ -9,7 +9,8 @@ Run where the ranks have GPUs (scripts/gpu_check.sh does). Two passes:
 - one rank: what one GPU's own engines do, free of other processes. The reduce-scatter kernel
   over one input (read once, written once) against a copy of the same bytes, and the GEMM
   beside this rank's all-gather copies (copy engine vs SMs in one process: the situation of a
-  rank with a GPU of its own);
+  rank with a GPU of its own), back to back and one started with each GEMM (as FSDP pulls a
+  group while a layer computes);
 - ``--nproc`` ranks: the collectives themselves. With one GPU every rank shares it and the
   GPU time-slices their processes, so each rank's time includes the others' slices: the
   bandwidth columns count the bytes *all* ranks move (aggregate), labelled "ranks share one
@@ -132,7 +133,7 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
     ag_ms = cuda_event_ms(lambda: hp.comm.all_gather_into_tensor(gathered, piece), repeats=3, warmup=1, barrier=True)
     spans = [math.ceil(1.5 * 10 * timed_gemms() / ag_ms) if rank == 0 else None]
     dist.broadcast_object_list(spans, src=0)
-    alone, beside = [], []
+    alone, beside, paced = [], [], []
     for _ in range(max(3, repeats // 3)):
         dist.barrier()
         if rank == 0:
@@ -150,10 +151,30 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
         if rank == 0:
             beside.append(timed_gemms())
         torch.cuda.synchronize()
+        dist.barrier()
+        # One all-gather started with each GEMM, as FSDP pulls the next group's parameters while
+        # a layer computes.
+        gpu_lead(30.0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            gate = torch.cuda.Event()
+            gate.record()
+            side.wait_event(gate)
+            with torch.cuda.stream(side):
+                hp.comm.all_gather_into_tensor(gathered, piece)
+            if rank == 0:
+                torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        if rank == 0:
+            paced.append(start.elapsed_time(end) / 10)
+        torch.cuda.synchronize()
     torch.cuda.synchronize()
     dist.barrier()
     return {"rows": results, "gemm_alone_ms": statistics.median(alone) if alone else None,
             "gemm_beside_ms": statistics.median(beside) if beside else None, "all_gathers_beside": spans[0],
+            "gemm_paced_ms": statistics.median(paced) if paced else None,
             "skipped": skipped, "gpu": torch.cuda.get_device_name(device),
             "gpus": torch.cuda.device_count(), "world": world}
 
@@ -187,8 +208,11 @@ def _report(result: dict) -> None:
         print(" | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells))
     if result["gemm_alone_ms"]:
         slow = result["gemm_beside_ms"] / result["gemm_alone_ms"] - 1
+        paced = result["gemm_paced_ms"] / result["gemm_alone_ms"] - 1
         print(f"8192^3 bf16 GEMM: {result['gemm_alone_ms']:.3f} ms alone, {result['gemm_beside_ms']:.3f} ms beside "
-              f"{result['all_gathers_beside']} all-gathers of 256 MiB on the copy engines: {100 * slow:+.1f}% ({label})")
+              f"{result['all_gathers_beside']} all-gathers of 256 MiB back to back on the copy engines: "
+              f"{100 * slow:+.1f}%; {result['gemm_paced_ms']:.3f} ms with one all-gather started with each GEMM "
+              f"(as FSDP prefetches): {100 * paced:+.1f}% ({label})")
     for line in result["skipped"]:
         print("skipped:", line)
 
