@@ -7,6 +7,7 @@ losses).
 
 from __future__ import annotations
 
+import functools
 import resource
 import statistics
 import time
@@ -315,23 +316,18 @@ def gpu_lead(ms: float) -> None:
     torch.cuda._sleep(int(ms * _sleep_cycles_per_ms()))
 
 
-_cycles_per_ms: float | None = None
-
-
+@functools.cache
 def _sleep_cycles_per_ms() -> float:
-    global _cycles_per_ms
-    if _cycles_per_ms is None:
-        # The first sleep also loads its kernel and meets clocks still rising from idle: the
-        # second is the one measured.
-        cycles = 10_000_000
-        for _ in range(2):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-        _cycles_per_ms = cycles / start.elapsed_time(end)
-    return _cycles_per_ms
+    # The first sleep also loads its kernel and meets clocks still rising from idle: the
+    # second is the one measured.
+    cycles = 10_000_000
+    for _ in range(2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / start.elapsed_time(end)
 
 
 def cuda_event_ms(fn: Callable[[], object], repeats: int = 1, warmup: int = 0, barrier: bool = False,

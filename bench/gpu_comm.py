@@ -114,20 +114,27 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
     piece = torch.randn(n // world, device=device)
     side = torch.cuda.Stream(device)
 
-    def gemms(count: int = 10):
-        for _ in range(count):
-            torch.mm(a, b)
+    def pulls(count: int) -> None:
+        """``count`` all-gathers on the side stream, starting once the default stream has come
+        this far (behind a gpu_lead: once the host has enqueued what follows too)."""
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(count):
+                hp.comm.all_gather_into_tensor(gathered, piece)
 
-    def timed_gemms() -> float:
+    def timed_gemms(count: int = 10, pull_each: bool = False) -> float:
+        """Milliseconds per GEMM over ``count``; ``pull_each``: one all-gather started with each."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        gemms()
+        for _ in range(count):
+            if pull_each:
+                pulls(1)
+            torch.mm(a, b)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 10
+        return start.elapsed_time(end) / count
 
-    gemms(3)
-    torch.cuda.synchronize()
+    timed_gemms(3)  # warm-up
     # Enough all-gathers to span the ten GEMMs half again (a fixed count left part of them bare,
     # which hid part of the slowdown); rank 0 times both and decides for every rank.
     ag_ms = cuda_event_ms(lambda: hp.comm.all_gather_into_tensor(gathered, piece), repeats=3, warmup=1, barrier=True)
@@ -139,36 +146,22 @@ def measure(sizes_mib: list[int], repeats: int) -> dict:
         if rank == 0:
             alone.append(timed_gemms())
         dist.barrier()
-        # All-gathers on a side stream, beside the GEMMs on the default stream, both held until
-        # the host has enqueued them all: they start together.
+        # All-gathers back to back on the side stream, beside the GEMMs on the default stream,
+        # both held until the host has enqueued them all: they start together.
         gpu_lead(30.0)
-        gate = torch.cuda.Event()
-        gate.record()
-        side.wait_event(gate)
-        with torch.cuda.stream(side):
-            for _ in range(spans[0]):
-                hp.comm.all_gather_into_tensor(gathered, piece)
+        pulls(spans[0])
         if rank == 0:
             beside.append(timed_gemms())
         torch.cuda.synchronize()
         dist.barrier()
         # One all-gather started with each GEMM, as FSDP pulls the next group's parameters while
-        # a layer computes.
+        # a layer computes (the other ranks pull as many, for the collective).
         gpu_lead(30.0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            gate = torch.cuda.Event()
-            gate.record()
-            side.wait_event(gate)
-            with torch.cuda.stream(side):
-                hp.comm.all_gather_into_tensor(gathered, piece)
-            if rank == 0:
-                torch.mm(a, b)
-        end.record()
-        end.synchronize()
         if rank == 0:
-            paced.append(start.elapsed_time(end) / 10)
+            paced.append(timed_gemms(pull_each=True))
+        else:
+            for _ in range(10):
+                pulls(1)
         torch.cuda.synchronize()
     torch.cuda.synchronize()
     dist.barrier()
