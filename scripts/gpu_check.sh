@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU (the lent H200 machine, or your own), build the
 # extension against the torch that is there, run the tests marked `gpu`, then the GPU benchmarks.
-# Logs go to $LOGS (default: $OUT, itself runs/gpu_check by default). Each step has its own time limit and the script goes
-# on after a failed step, so that one run reports everything; it exits non-zero if any step failed.
+# Logs go to $LOGS (default: $OUT, itself runs/gpu_check by default). Each step has its own time
+# limit and the script goes on after a failed step, so that one run reports everything; it exits
+# non-zero if any step failed.
 #
 #   bash scripts/gpu_check.sh                 # everything: build about 2 minutes (seconds with HP_PREBUILT),
 #                                             # the test files at once, then the benchmarks alone (comm, then

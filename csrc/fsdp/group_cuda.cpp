@@ -102,9 +102,9 @@ struct GradWindow {
 };
 
 // What all CUDA groups of a process share: the all-gather, reduce-scatter
-// and (HSDP) nodes' all-reduce streams, and a ring of two gradient windows (a group holds one from its
-// backward to the end of its reduction; two let one reduction overlap the
-// next group's backward).
+// and (HSDP) nodes' all-reduce streams, and a ring of two gradient windows
+// (a group holds one from its backward to the end of its reduction; two let
+// one reduction overlap the next group's backward).
 class CudaState : public BackendState {
  public:
   CudaState(std::shared_ptr<fabric::Fabric> fabric, c10::Device device)

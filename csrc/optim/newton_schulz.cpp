@@ -215,8 +215,10 @@ c10::Stream side_stream(c10::Device device) {
   static std::unordered_map<c10::Device, c10::Stream> streams;
   const std::lock_guard<std::mutex> lock(mutex);
   auto found = streams.find(device);
-  if (found == streams.end())
-    found = streams.emplace(device, c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, true)).first;
+  if (found == streams.end()) {
+    const c10::Stream drawn = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, true);
+    found = streams.emplace(device, drawn).first;
+  }
   return found->second;
 }
 
